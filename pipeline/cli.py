@@ -1,0 +1,127 @@
+"""The `pipeline` command line."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from pipeline.config import ConfigError, load_run_config
+from pipeline.inputs import InputError
+
+console = Console(stderr=True)
+
+# Exit codes: 0 the job ran (rows may still carry per-row errors); 2 the
+# config or input is wrong and nothing ran; 1 anything else went wrong.
+EXIT_BAD_CONFIG = 2
+EXIT_FAILED = 1
+
+
+def _fail(code: int, message: str) -> None:
+    console.print(f"[red]error:[/red] {message}", highlight=False)
+    sys.exit(code)
+
+
+def summary_table(report: dict[str, Any]) -> Table:
+    table = Table(title=f"{report['job']} · run {report['run_id']}", title_justify="left")
+    for name in ("bucket", "rows", "prompt tokens (min/med/max)"):
+        table.add_column(name, justify="right" if name != "bucket" else "left")
+    for name, b in report["buckets"].items():
+        pt = b["prompt_tokens"]
+        table.add_row(name, f"{b['rows']:,}", f"{pt['min']:,} / {pt['median']:,.0f} / {pt['max']:,}")
+    table.add_section()
+    status = ", ".join(f"{k} {v:,}" for k, v in sorted(report["status"].items()))
+    table.add_row("total", f"{report['rows_out']:,} of {report['rows_in']:,}", status)
+    return table
+
+
+def print_summary(report: dict[str, Any]) -> None:
+    out = Console()
+    out.print(summary_table(report))
+    tokens = report["tokens"]
+    out.print(
+        f"tokens in {tokens['prompt']:,} · out {tokens['output']:,} · "
+        f"wall {report['wall_s']:.1f} s · {report['output_tokens_per_s']:,.1f} output tokens/s"
+    )
+    out.print(f"output: {report['output']}  report: {report['report_path']}")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="llm-corpus-pipeline")
+def main() -> None:
+    """Run an LLM over a Parquet corpus: summaries written back as Parquet, with a run report.
+
+    A run takes a job (jobs/*.yaml: input, output, prompt, sampling) and a
+    profile (conf/*.yaml: model, engine, hardware, batching). Start with
+    `pipeline run jobs/nightly_summarize.yaml --profile conf/local.yaml`, which
+    needs no GPU and no network.
+    """
+
+
+@main.command()
+@click.argument("job", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--profile", "-p", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="Where and how to run: conf/local.yaml (CPU, tiny model) or conf/gpu.yaml.")
+@click.option("--input", "input_path", help="Override the job's input path (file, folder, glob or URI).")
+@click.option("--output", "output_path", help="Override the job's output folder.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override any config field by its dotted name, e.g. --set sampling.max_new_tokens=32 "
+                   "or --set batching.rows_per_call=128. Repeatable.")
+def run(job: Path, profile: Path, input_path: str | None, output_path: str | None,
+        overrides: tuple[str, ...]) -> None:
+    """Run JOB over its input and write summaries to its output folder.
+
+    Output: Parquet parts (the input columns, then summary, prompt_tokens,
+    output_tokens, bucket, status, error, latency_s, model, run_id) and
+    _report.json. Exit status: 0 when the job ran, even if some rows have
+    status `error`; 2 when the config or input is wrong (nothing ran); 1 on
+    any other failure. The last line says why.
+    """
+    from pipeline.runner import run_job
+
+    try:
+        config = load_run_config(job, profile, overrides, input_path, output_path)
+        report = run_job(config)
+    except (ConfigError, InputError) as e:
+        _fail(EXIT_BAD_CONFIG, str(e))
+    except KeyboardInterrupt:
+        _fail(EXIT_FAILED, "interrupted")
+    except Exception as e:  # infrastructure: the one-line reason goes last
+        console.print_exception(max_frames=5)
+        _fail(EXIT_FAILED, f"{type(e).__name__}: {e}")
+    print_summary(report)
+
+
+@main.group()
+def dev() -> None:
+    """Offline stand-ins: a tiny model and a synthetic corpus, both deterministic."""
+
+
+@dev.command("tiny-model")
+@click.argument("out", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--seed", default=0, show_default=True, help="Same seed, same files.")
+def tiny_model(out: Path, seed: int) -> None:
+    """Build a random-weight Llama (2 layers, head_dim 64) and its BPE tokenizer into OUT."""
+    from pipeline.dev.tiny_model import build_tiny_model, fingerprint
+
+    build_tiny_model(out, seed=seed)
+    click.echo(f"{out}  sha256 {fingerprint(out)[:16]}")
+
+
+@dev.command("sample-corpus")
+@click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--rows", default=1000, show_default=True, help="Rows to write.")
+@click.option("--seed", default=0, show_default=True, help="Same seed, same file.")
+def sample_corpus(out: Path, rows: int, seed: int) -> None:
+    """Write a synthetic Parquet corpus to OUT: log-normal lengths, ~1% outliers 10-50x longer.
+
+    Columns: id, text, and source (a passthrough column).
+    """
+    from pipeline.dev.corpus import write_corpus
+
+    write_corpus(out, rows=rows, seed=seed)
+    click.echo(f"{out}  {rows} rows")

@@ -1,0 +1,261 @@
+"""One typed config per run: a job file, a profile file and `--set` overrides.
+
+A job (`jobs/*.yaml`) says *what* to produce: input, output, prompt, sampling.
+A profile (`conf/*.yaml`) says *where and how* it runs: model, engine,
+hardware, batching. Both are checked here, before any model loads, and every
+error names the file (or `--set`) and the dotted field it is about.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from pipeline.bucketing import DEFAULT_BOUNDARIES
+
+
+class ConfigError(ValueError):
+    """A config file or override is wrong; the message names file and field."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# --- the job: what to produce -------------------------------------------------
+
+
+class InputConfig(_Section):
+    path: str = Field(description="Parquet file, folder or glob; local path or URI (s3://, gs://).")
+    id_column: str = Field("id", description="Column holding each row's unique id.")
+    text_column: str = Field("text", description="Column holding the document text.")
+
+
+class OutputConfig(_Section):
+    path: str = Field(description="Folder the Parquet parts and _report.json are written to.")
+
+
+class PromptConfig(_Section):
+    system: str | None = Field(None, description="System message, when the chat template takes one.")
+    template: str = Field(
+        description="User message; `{field}` names a column of the row, e.g. `{text}`."
+    )
+
+    def fields(self) -> set[str]:
+        """The row columns the template names."""
+        return {name for _, name, _, _ in string.Formatter().parse(self.template) if name}
+
+
+class SamplingConfig(_Section):
+    max_new_tokens: int = Field(128, gt=0, description="Most tokens generated per row.")
+    temperature: float = Field(0.0, ge=0.0, description="0 is greedy decoding.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(0, description="Sampling seed; the same seed gives the same text.")
+
+
+class JobConfig(_Section):
+    name: str = Field(description="Job name, used in the report.")
+    input: InputConfig
+    output: OutputConfig
+    prompt: PromptConfig
+    sampling: SamplingConfig = SamplingConfig()
+
+
+# --- the profile: where and how it runs ---------------------------------------
+
+
+class ModelConfig(_Section):
+    name: str = Field(description="Hugging Face model id or local folder.")
+    tiny_model_seed: int | None = Field(
+        None,
+        description="Offline default: build the tiny random Llama at `name` with this seed if it is missing.",
+    )
+
+
+class EngineConfig(_Section):
+    max_model_len: int | None = Field(None, gt=0, description="Context length; default: the model's.")
+    dtype: str = Field("auto", description="Weights and activations dtype (auto, bfloat16, float16, float32).")
+    gpu_memory_utilization: float = Field(
+        0.9,
+        gt=0.0,
+        le=1.0,
+        description="Share of device memory vLLM preallocates. On the CPU backend: share of NUMA node 0's memory.",
+    )
+    enforce_eager: bool = Field(False, description="Skip CUDA graph capture: faster start, slower steps.")
+    num_gpu_blocks_override: int | None = Field(None, gt=0, description="Fix the KV cache size in blocks.")
+    cpu_kvcache_space_gib: int | None = Field(
+        None, gt=0, description="CPU backend: KV cache size in GiB (sets VLLM_CPU_KVCACHE_SPACE)."
+    )
+    max_num_seqs: int | None = Field(None, gt=0, description="Most requests the engine runs at once.")
+    max_num_batched_tokens: int | None = Field(None, gt=0)
+    extra: dict[str, Any] = Field(default_factory=dict, description="Passed to vllm.LLM as keyword arguments.")
+
+
+class HardwareConfig(_Section):
+    accelerator: Literal["cpu", "gpu"] = Field(description="gpu: one engine per GPU; cpu: vLLM's CPU backend.")
+    num_engines: int = Field(1, gt=0, description="Generate actors, one vLLM engine each.")
+    engine_num_cpus: float = Field(
+        1.0,
+        gt=0.0,
+        description="Logical CPUs each engine actor reserves. Keep the total below the cluster's so reads can run.",
+    )
+    prepare_actors: int = Field(1, gt=0, description="Tokenizing actors.")
+    ray_address: str | None = Field(None, description="Ray cluster to join; none starts a local one.")
+    ray_num_cpus: int | None = Field(
+        None, gt=0, description="Local Ray only: logical CPUs to advertise (more than cores is fine)."
+    )
+
+
+class BatchingConfig(_Section):
+    rows_per_call: int = Field(64, gt=0, description="Rows per engine call (fixed batch size).")
+    bucket_boundaries: list[int] = Field(
+        default_factory=lambda: list(DEFAULT_BOUNDARIES),
+        description="Inclusive upper bounds of the prompt-length buckets, in tokens.",
+    )
+    bucket_grouping: Literal["global", "per_batch", "off"] = Field(
+        "global",
+        description=(
+            "global: sort the corpus by bucket so engine calls are full and never mix buckets; "
+            "per_batch: streaming, split each batch by bucket; off: no grouping (benchmark baseline)."
+        ),
+    )
+    prepare_batch_rows: int = Field(256, gt=0, description="Rows per tokenizing batch.")
+    generate_batch_rows: int = Field(512, gt=0, description="Rows Ray Data hands an engine actor at once.")
+
+    @model_validator(mode="after")
+    def _boundaries_increase(self) -> BatchingConfig:
+        b = self.bucket_boundaries
+        if not b or any(x <= 0 for x in b) or any(x >= y for x, y in zip(b, b[1:])):
+            raise ValueError(f"bucket_boundaries must be positive and strictly increasing, got {b}")
+        return self
+
+
+class ProfileConfig(_Section):
+    model: ModelConfig
+    engine: EngineConfig = EngineConfig()
+    hardware: HardwareConfig
+    batching: BatchingConfig = BatchingConfig()
+
+
+class RunConfig(_Section):
+    """A job and a profile together: everything one run needs."""
+
+    job: JobConfig
+    profile: ProfileConfig
+    job_file: str
+    profile_file: str
+
+
+# --- loading ------------------------------------------------------------------
+
+JOB_SECTIONS = frozenset(JobConfig.model_fields)
+PROFILE_SECTIONS = frozenset(ProfileConfig.model_fields)
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        raise ConfigError(f"{path}: {where}invalid YAML: {getattr(e, 'problem', e)}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`sampling.max_new_tokens=16` -> (["sampling", "max_new_tokens"], 16).
+
+    The value is read as YAML, so numbers, booleans, lists and null get their types.
+    """
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {item}: expected key=value, e.g. sampling.max_new_tokens=16")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def _apply(data: dict[str, Any], keys: list[str], value: Any, item: str) -> None:
+    node = data
+    for k in keys[:-1]:
+        child = node.setdefault(k, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {item}: {k} is not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def _source(loc: str, source_of: dict[str, str]) -> str:
+    """Where the value at `loc` came from: the longest override prefix, else the file."""
+    keys = [k for k in source_of if k and (loc == k or loc.startswith(k + "."))]
+    return source_of[max(keys, key=len)] if keys else source_of[""]
+
+
+def _format_errors(error: ValidationError, source_of: dict[str, str]) -> str:
+    lines = []
+    for err in error.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        msg = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
+        if err["type"] not in ("missing", "extra_forbidden"):
+            msg = f"{msg} (got {err['input']!r})"
+        lines.append(f"{_source(loc, source_of)}: {loc}: {msg}")
+    return "\n".join(lines)
+
+
+def _validate(model: type[BaseModel], data: dict[str, Any], source_of: dict[str, str]) -> Any:
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e, source_of)) from None
+
+
+def load_run_config(
+    job_file: str | Path,
+    profile_file: str | Path,
+    overrides: list[str] | tuple[str, ...] = (),
+    input_path: str | None = None,
+    output_path: str | None = None,
+) -> RunConfig:
+    """Load, merge and check a job and a profile; raise ConfigError naming the culprit."""
+    job_file, profile_file = Path(job_file), Path(profile_file)
+    job, profile = _read_yaml(job_file), _read_yaml(profile_file)
+    job_src: dict[str, str] = {"": str(job_file)}
+    profile_src: dict[str, str] = {"": str(profile_file)}
+
+    for items, path in ((["input", "path"], input_path), (["output", "path"], output_path)):
+        if path is not None:
+            _apply(job, items, path, "=".join(items))
+            job_src[".".join(items)] = f"--{items[0]}"
+    for item in overrides:
+        keys, value = parse_override(item)
+        if keys[0] in JOB_SECTIONS:
+            _apply(job, keys, value, item)
+            job_src[".".join(keys)] = f"--set {item}"
+        elif keys[0] in PROFILE_SECTIONS:
+            _apply(profile, keys, value, item)
+            profile_src[".".join(keys)] = f"--set {item}"
+        else:
+            raise ConfigError(
+                f"--set {item}: unknown section {keys[0]!r}; job sections: "
+                f"{', '.join(sorted(JOB_SECTIONS))}; profile sections: {', '.join(sorted(PROFILE_SECTIONS))}"
+            )
+
+    job_cfg = _validate(JobConfig, job, job_src)
+    profile_cfg = _validate(ProfileConfig, profile, profile_src)
+    return RunConfig(
+        job=job_cfg, profile=profile_cfg, job_file=str(job_file), profile_file=str(profile_file)
+    )

@@ -1,0 +1,126 @@
+"""Wire the stages onto Ray Data and run one job: read, prepare, group, generate, write, report.
+
+    read_parquet -> PrepareStage (actors) -> sort by bucket -> GenerateStage (one
+    engine per actor) -> ParquetPartsSink -> _report.json
+
+Everything that can be checked without a model (config, input files, columns,
+template fields) is checked before Ray starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from pipeline import schema
+from pipeline.bucketing import LengthBucketer
+from pipeline.config import RunConfig
+from pipeline.engine import engine_kwargs
+from pipeline.inputs import check_inputs
+from pipeline.report import build_report, write_report
+from pipeline.stages.prepare import context_limit
+
+log = logging.getLogger(__name__)
+
+# Quiet by default: vLLM logs every engine start at INFO, once per actor.
+WORKER_ENV_DEFAULTS = {"VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "true"}
+
+
+def new_run_id() -> str:
+    return datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:6]
+
+
+def resolve_model(config: RunConfig) -> str:
+    """The model to load: a local folder made absolute (built first if it is the tiny
+    model), or a hub id left as it is."""
+    model = config.profile.model
+    if model.tiny_model_seed is not None:
+        from pipeline.dev.tiny_model import ensure_tiny_model
+
+        return str(ensure_tiny_model(Path(model.name), seed=model.tiny_model_seed).resolve())
+    local = Path(model.name)
+    return str(local.resolve()) if local.exists() else model.name
+
+
+def init_ray(config: RunConfig) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    hw = config.profile.hardware
+    env = {k: os.environ.get(k, v) for k, v in WORKER_ENV_DEFAULTS.items()}
+    if hw.ray_address:
+        ray.init(address=hw.ray_address, runtime_env={"env_vars": env}, log_to_driver=True)
+    else:
+        ray.init(num_cpus=hw.ray_num_cpus, include_dashboard=False, runtime_env={"env_vars": env})
+
+
+def run_job(config: RunConfig, run_id: str | None = None) -> dict[str, Any]:
+    """Run the job end to end and return its report (also written as `_report.json`)."""
+    import ray.data
+
+    from pipeline.sink import ParquetPartsSink
+    from pipeline.stages.generate import GenerateStage
+    from pipeline.stages.prepare import PrepareStage
+
+    run_id = run_id or new_run_id()
+    started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    started = time.monotonic()
+    job, profile = config.job, config.profile
+
+    # 1. Checks that need no model and no cluster.
+    inputs = check_inputs(
+        job.input.path, job.input.id_column, job.input.text_column, job.prompt.fields()
+    )
+    out_schema = schema.output_schema(inputs.schema, job.input.id_column, job.input.text_column)
+    model_path = resolve_model(config)
+    max_model_len = context_limit(model_path, profile.engine.max_model_len)
+    bucketer = LengthBucketer(profile.batching.bucket_boundaries)
+
+    # 2. The dataset: nothing runs until the write pulls it.
+    init_ray(config)
+    hw, batching = profile.hardware, profile.batching
+    ds = ray.data.read_parquet(inputs.paths, filesystem=inputs.filesystem)
+    ds = ds.map_batches(
+        PrepareStage,
+        fn_constructor_kwargs={"config": config, "model_path": model_path, "max_model_len": max_model_len},
+        batch_size=batching.prepare_batch_rows,
+        batch_format="pyarrow",
+        concurrency=hw.prepare_actors,
+        num_cpus=1,
+    )
+    if batching.bucket_grouping == "global":
+        # One range partition per bucket: the engine sees each bucket's rows together.
+        ds = ds.sort(schema.BUCKET_INDEX, boundaries=list(range(1, len(bucketer.names))))
+    ds = ds.map_batches(
+        GenerateStage,
+        fn_constructor_kwargs={"config": config, "model_path": model_path, "run_id": run_id},
+        batch_size=batching.generate_batch_rows,
+        batch_format="pyarrow",
+        concurrency=hw.num_engines,
+        num_cpus=hw.engine_num_cpus,
+        num_gpus=1 if hw.accelerator == "gpu" else 0,
+    )
+    sink = ParquetPartsSink(job.output.path, run_id, out_schema)
+    ds.write_datasink(sink)
+    if sink.summary is None:
+        raise RuntimeError("the write finished without reporting what it wrote")
+
+    # 3. The report, written last: its presence means the output is complete.
+    report = build_report(
+        run_id=run_id,
+        config=config,
+        rows_in=inputs.rows,
+        written=sink.summary,
+        wall_s=time.monotonic() - started,
+        started_at=started_at,
+        engine_settings=engine_kwargs(model_path, profile.engine, job.sampling.seed),
+        bucket_order=bucketer.names,
+    )
+    report["report_path"] = write_report(job.output.path, report)
+    return report

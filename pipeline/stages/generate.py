@@ -1,0 +1,128 @@
+"""Generate: one vLLM engine per actor, fed rows grouped by length bucket.
+
+Input: prepared rows (see `prepare`). Output: the same rows with `summary`,
+`output_tokens`, `latency_s`, `model` and `run_id` filled in, and two working
+columns for the report: `_engine_call` (which call served the row) and
+`_engine_call_stats` (that call's stats as JSON, on its first row only).
+Rows that arrive with status `error` pass through untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import asdict
+from itertools import groupby
+from typing import Any
+
+import pyarrow as pa
+
+from pipeline import schema
+from pipeline.batching import BatchPolicy, FixedBatchPolicy
+from pipeline.bucketing import LengthBucketer
+from pipeline.config import RunConfig
+from pipeline.engine import VLLMEngine
+from pipeline.schema import Status
+
+ENGINE_CALL_STATS = "_engine_call_stats"
+
+
+def engine_calls(rows: list[int], buckets: list[int], grouping: str, policy: BatchPolicy,
+                 names: tuple[str, ...]) -> list[tuple[str, list[int]]]:
+    """Split row positions into engine calls: (bucket name, positions) each.
+
+    With grouping on, consecutive rows of one bucket form runs and each run is
+    cut into calls of `policy.rows_for(bucket)` rows, so no call mixes buckets.
+    With grouping off, calls take rows in arrival order, whatever their bucket.
+    """
+    if grouping == "off":
+        runs = [("mixed", rows)]
+    else:
+        ordered = sorted(rows, key=lambda i: buckets[i])  # stable: arrival order within a bucket
+        runs = [(names[k], list(g)) for k, g in groupby(ordered, key=lambda i: buckets[i])]
+    calls = []
+    for bucket, members in runs:
+        start = 0
+        while start < len(members):
+            size = max(1, policy.rows_for(bucket))
+            calls.append((bucket, members[start : start + size]))
+            start += size
+    return calls
+
+
+class GenerateStage:
+    """Engine actor: the engine is built once, here, and reused for every batch."""
+
+    def __init__(self, config: RunConfig, model_path: str, run_id: str):
+        self.sampling = config.job.sampling
+        self.grouping = config.profile.batching.bucket_grouping
+        self.model_name = config.profile.model.name
+        self.run_id = run_id
+        self.bucket_names = LengthBucketer(config.profile.batching.bucket_boundaries).names
+        self.engine = VLLMEngine(model_path, config.profile.engine, seed=config.job.sampling.seed)
+        self.policy: BatchPolicy = FixedBatchPolicy(config.profile.batching.rows_per_call)
+        self.actor = uuid.uuid4().hex[:8]
+        self.calls = 0
+
+    def engine_info(self) -> dict[str, Any]:
+        return {
+            "actor": self.actor,
+            "startup_s": round(self.engine.startup_s, 3),
+            "kv_cache_tokens": self.engine.kv_cache_tokens,
+            "max_model_len": self.engine.max_model_len,
+        }
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        n = batch.num_rows
+        status = batch.column("status").to_pylist()
+        token_ids = batch.column(schema.PROMPT_TOKEN_IDS).to_pylist()
+        buckets = batch.column(schema.BUCKET_INDEX).to_pylist()
+        error: list[str | None] = batch.column("error").to_pylist()
+        summary: list[str | None] = [None] * n
+        output_tokens = [0] * n
+        latency: list[float | None] = [None] * n
+        call_of: list[str | None] = [None] * n
+        call_stats: list[str | None] = [None] * n
+
+        eligible = [i for i in range(n) if status[i] == Status.OK]
+        for bucket, members in engine_calls(eligible, buckets, self.grouping, self.policy, self.bucket_names):
+            completions, stats = self.engine.generate([token_ids[i] for i in members], self.sampling)
+            self.policy.observe(bucket, stats)
+            call_id = f"{self.actor}-{self.calls}"
+            record = {"call": call_id, "bucket": bucket, **asdict(stats)}
+            if self.calls == 0:
+                record["engine"] = self.engine_info()
+            self.calls += 1
+            call_stats[members[0]] = json.dumps(record)
+            for i, c in zip(members, completions):
+                call_of[i] = call_id
+                latency[i] = c.latency_s
+                output_tokens[i] = c.output_tokens
+                if c.error is None:
+                    summary[i] = c.text
+                else:
+                    status[i], error[i] = Status.ERROR.value, c.error
+
+        out = batch.drop_columns([schema.PROMPT_TOKEN_IDS, "status", "error"])
+        columns = {
+            "summary": pa.array(summary, pa.string()),
+            "output_tokens": pa.array(output_tokens, pa.int32()),
+            "status": pa.array(status, pa.string()),
+            "error": pa.array(error, pa.string()),
+            "latency_s": pa.array(latency, pa.float64()),
+            "model": pa.array([self.model_name] * n, pa.string()),
+            "run_id": pa.array([self.run_id] * n, pa.string()),
+            schema.ENGINE_CALL: pa.array(call_of, pa.string()),
+            ENGINE_CALL_STATS: pa.array(call_stats, pa.string()),
+        }
+        for name, values in columns.items():
+            out = out.append_column(name, values)
+        return out
+
+    def __del__(self) -> None:
+        # Ray Data's teardown hook for actor stages: on graceful shutdown it drops
+        # the UDF after the last task and before the actor exits. Closing here
+        # stops the engine core with the actor rather than on a parent-death signal.
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.close()
