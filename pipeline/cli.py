@@ -22,7 +22,8 @@ EXIT_FAILED = 1
 
 
 def _fail(code: int, message: str) -> None:
-    console.print(f"[red]error:[/red] {message}", highlight=False)
+    # Plain echo, not rich: the reason must be the last line, unwrapped, for logs and scripts.
+    click.echo(f"error: {message}", err=True)
     sys.exit(code)
 
 
@@ -47,7 +48,12 @@ def print_summary(report: dict[str, Any]) -> None:
         f"tokens in {tokens['prompt']:,} · out {tokens['output']:,} · "
         f"wall {report['wall_s']:.1f} s · {report['output_tokens_per_s']:,.1f} output tokens/s"
     )
-    out.print(f"output: {report['output']}  report: {report['report_path']}")
+    if report.get("engine_s"):
+        out.print(
+            f"engine busy {report['engine_s']:.1f} s in {report['engine']['calls']} calls · "
+            f"{report['engine_output_tokens_per_s']:,.1f} output tokens/s while generating"
+        )
+    out.print(f"output: {report['output']}  report: {report['report_path']}", soft_wrap=True)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from pipeline.bucketing import DEFAULT_BOUNDARIES
 
@@ -126,12 +126,12 @@ class BatchingConfig(_Section):
     prepare_batch_rows: int = Field(256, gt=0, description="Rows per tokenizing batch.")
     generate_batch_rows: int = Field(512, gt=0, description="Rows Ray Data hands an engine actor at once.")
 
-    @model_validator(mode="after")
-    def _boundaries_increase(self) -> BatchingConfig:
-        b = self.bucket_boundaries
+    @field_validator("bucket_boundaries")
+    @classmethod
+    def _boundaries_increase(cls, b: list[int]) -> list[int]:
         if not b or any(x <= 0 for x in b) or any(x >= y for x, y in zip(b, b[1:])):
-            raise ValueError(f"bucket_boundaries must be positive and strictly increasing, got {b}")
-        return self
+            raise ValueError("must be positive and strictly increasing")
+        return b
 
 
 class ProfileConfig(_Section):

@@ -37,13 +37,20 @@ def _visible(path: str) -> bool:
     return base.endswith(".parquet") and not base.startswith((".", "_"))
 
 
+def _glob_match(path: str, pattern: str) -> bool:
+    """Shell-style: `*` stays within one folder level unless the pattern has `**`."""
+    if not _visible(path) or not fnmatch.fnmatch(path, pattern):
+        return False
+    return "**" in pattern or path.count("/") == pattern.count("/")
+
+
 def list_files(path: str) -> tuple[pafs.FileSystem, list[str]]:
     fs, p = resolve(path)
     if any(ch in p for ch in _WILDCARDS):
         cut = min(p.index(ch) for ch in _WILDCARDS if ch in p)
         base = p[:cut].rsplit("/", 1)[0] or "/"
         infos = fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
-        files = sorted(i.path for i in infos if i.is_file and fnmatch.fnmatch(i.path, p))
+        files = sorted(i.path for i in infos if i.is_file and _glob_match(i.path, p))
     else:
         info = fs.get_file_info(p)
         if info.type == pafs.FileType.NotFound:

@@ -67,6 +67,7 @@ def build_report(
     engines = [c["engine"] for c in calls if "engine" in c]
     for c in calls:
         c.pop("engine", None)
+    engine_s = sum(c.get("wall_s", 0.0) for c in calls)
     return {
         "run_id": run_id,
         "job": config.job.name,
@@ -83,6 +84,9 @@ def build_report(
         "buckets": bucket_table(written["prompt_tokens_by_bucket"], bucket_order),
         "tokens": {"prompt": written["prompt_tokens"], "output": written["output_tokens"]},
         "output_tokens_per_s": round(written["output_tokens"] / wall_s, 2) if wall_s > 0 else None,
+        # Wall time includes Ray and engine start-up; engine time is the calls alone.
+        "engine_s": round(engine_s, 3),
+        "engine_output_tokens_per_s": round(written["output_tokens"] / engine_s, 2) if engine_s > 0 else None,
         "engine": {"settings": engine_settings, "actors": engines, "calls": len(calls)},
         "engine_calls": calls,
         "files": sorted(written["files"]),

@@ -1,0 +1,60 @@
+"""One real run of the whole job, shared by the integration tests.
+
+It goes through the CLI as a user would (`python -m pipeline run`), so Ray,
+the prepare actors, vLLM on the tiny model and the Parquet sink are all real.
+Building the engine is the slow part (about 20 s), so it happens once per session.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.dev.corpus import write_corpus
+from tests.conftest import REPO
+
+ROWS = 200
+MAX_NEW_TOKENS = 16
+
+
+@dataclass
+class JobRun:
+    corpus: pa.Table
+    output: Path
+    result: subprocess.CompletedProcess
+    report: dict
+    written: pa.Table
+
+
+def run_cli(job: Path, profile: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline", "run", str(job), "--profile", str(profile), *args],
+        capture_output=True, text=True, cwd=REPO, timeout=600,
+    )
+
+
+@pytest.fixture(scope="session")
+def job_run(tmp_path_factory, tiny_model) -> JobRun:
+    tmp = tmp_path_factory.mktemp("job")
+    corpus_path = write_corpus(tmp / "corpus.parquet", rows=ROWS, seed=11)
+    output = tmp / "out"
+    result = run_cli(
+        REPO / "jobs/nightly_summarize.yaml", REPO / "conf/local.yaml",
+        "--input", str(corpus_path), "--output", str(output),
+        "--set", f"model.name={tiny_model}",
+        "--set", f"sampling.max_new_tokens={MAX_NEW_TOKENS}",
+        # Small calls and batches: many engine calls, batches that straddle buckets.
+        "--set", "batching.rows_per_call=16",
+        "--set", "batching.generate_batch_rows=48",
+        "--set", "engine.max_model_len=8192",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((output / "_report.json").read_text())
+    return JobRun(pq.read_table(corpus_path), output, result, report, pq.read_table(output))

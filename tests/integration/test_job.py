@@ -1,0 +1,86 @@
+"""The whole job through Ray and real vLLM on the tiny model."""
+
+from collections import Counter
+from statistics import median
+
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline import schema
+from pipeline.bucketing import LengthBucketer
+from tests.integration.conftest import MAX_NEW_TOKENS, ROWS
+
+pytestmark = pytest.mark.integration
+
+
+def test_every_input_id_comes_out_exactly_once(job_run):
+    ids = job_run.written.column("id").to_pylist()
+    assert Counter(ids) == Counter(job_run.corpus.column("id").to_pylist())
+    assert len(ids) == ROWS
+
+
+def test_columns_and_types_match_the_schema(job_run):
+    expected = schema.output_schema(job_run.corpus.schema, "id", "text")
+    for part in job_run.report["files"]:
+        assert pq.read_schema(job_run.output / part).remove_metadata() == expected
+
+
+def test_passthrough_columns_are_intact(job_run):
+    source = {r["id"]: r for r in job_run.corpus.to_pylist()}
+    for row in job_run.written.to_pylist():
+        assert row["text"] == source[row["id"]]["text"]
+        assert row["source"] == source[row["id"]]["source"]
+
+
+def test_rows_are_generated(job_run):
+    rows = job_run.written.to_pylist()
+    assert {r["status"] for r in rows} == {"ok"}
+    for r in rows:
+        assert r["error"] is None and r["summary"] is not None
+        assert 1 <= r["output_tokens"] <= MAX_NEW_TOKENS
+        assert r["latency_s"] > 0
+        assert r["run_id"] == job_run.report["run_id"]
+        assert r["bucket"] == LengthBucketer().name(r["prompt_tokens"])
+
+
+def test_no_engine_call_mixed_buckets(job_run):
+    calls = job_run.report["engine_calls"]
+    assert len(calls) >= 13  # 200 rows at 16 per call, over several buckets
+    bounds = dict(zip(LengthBucketer().names, [0, *LengthBucketer().boundaries]))
+    for c in calls:
+        assert c["buckets"] == [c["bucket"]]
+        assert 1 <= c["rows"] <= 16 and c["rows_written"] == c["rows"]
+        low = bounds[c["bucket"]]
+        assert low < c["min_prompt_tokens"] <= c["max_prompt_tokens"]
+        assert c["bucket"].startswith("gt") or c["max_prompt_tokens"] <= int(c["bucket"][2:])
+    assert sum(c["rows"] for c in calls) == ROWS
+
+
+def test_report_agrees_with_the_output_files(job_run):
+    report, rows = job_run.report, job_run.written.to_pylist()
+    assert report["rows_in"] == report["rows_out"] == len(rows) == ROWS
+    assert report["status"] == dict(Counter(r["status"] for r in rows))
+    assert report["tokens"]["prompt"] == sum(r["prompt_tokens"] for r in rows)
+    assert report["tokens"]["output"] == sum(r["output_tokens"] for r in rows)
+    assert report["output_tokens_per_s"] == pytest.approx(report["tokens"]["output"] / report["wall_s"], rel=1e-3)
+    by_bucket: dict[str, list[int]] = {}
+    for r in rows:
+        by_bucket.setdefault(r["bucket"], []).append(r["prompt_tokens"])
+    assert set(report["buckets"]) == set(by_bucket)
+    for name, values in by_bucket.items():
+        b = report["buckets"][name]
+        assert b["rows"] == len(values)
+        assert b["prompt_tokens"] == {"min": min(values), "median": median(values), "max": max(values)}
+    on_disk = sorted(p.name for p in job_run.output.glob("part-*.parquet"))
+    assert report["files"] == on_disk
+    assert not list(job_run.output.glob(".*.tmp"))
+    assert report["engine"]["settings"]["max_model_len"] == 8192
+    assert report["engine"]["actors"][0]["kv_cache_tokens"] > 0
+    for package in ("vllm", "ray", "torch", "pipeline"):
+        assert report["versions"][package]
+
+
+def test_cli_prints_a_summary(job_run):
+    out = job_run.result.stdout
+    assert "output tokens/s" in out and f"{ROWS} of {ROWS}" in out
+    assert str(job_run.output) in out.replace("\n", "")

@@ -1,0 +1,38 @@
+import pyarrow as pa
+import pytest
+
+from pipeline import schema
+from pipeline.schema import Status
+
+
+def test_output_schema_order_and_types():
+    inp = pa.schema([("text", pa.string()), ("id", pa.int64()), ("source", pa.string())])
+    out = schema.output_schema(inp, "id", "text")
+    assert out.names == [
+        "id", "text", "source", "summary", "prompt_tokens", "output_tokens", "bucket",
+        "status", "error", "latency_s", "model", "run_id",
+    ]
+    types = {f.name: f.type for f in out}
+    assert types["id"] == pa.int64()  # the id keeps its own type
+    assert types["prompt_tokens"] == types["output_tokens"] == pa.int32()
+    assert types["latency_s"] == pa.float64()
+    assert all(types[c] == pa.string() for c in ("summary", "bucket", "status", "error", "model", "run_id"))
+    assert not out.field("status").nullable and out.field("error").nullable
+
+
+def test_status_values():
+    assert [s.value for s in Status] == ["ok", "error"]
+
+
+@pytest.mark.parametrize("clash", ["summary", "status", "_secret"])
+def test_input_columns_may_not_collide_with_generated_ones(clash):
+    inp = pa.schema([("id", pa.string()), ("text", pa.string()), (clash, pa.string())])
+    with pytest.raises(ValueError, match="collide"):
+        schema.output_schema(inp, "id", "text")
+
+
+def test_conform_drops_working_columns_and_casts():
+    out_schema = pa.schema([("id", pa.string()), ("prompt_tokens", pa.int32())])
+    t = pa.table({"prompt_tokens": pa.array([1, 2], pa.int64()), "id": ["a", "b"], "_engine_call": ["x", "y"]})
+    c = schema.conform(t, out_schema)
+    assert c.schema == out_schema and c.column("id").to_pylist() == ["a", "b"]

@@ -1,0 +1,67 @@
+import json
+import os
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline import schema
+from pipeline.sink import ParquetPartsSink, _block_stats, merge_stats
+from pipeline.stages.generate import ENGINE_CALL_STATS
+
+
+def block(ids, bucket, call, first_stats=None, status="ok"):
+    n = len(ids)
+    return pa.table({
+        "id": ids, "text": ["t"] * n, "summary": ["s"] * n,
+        "prompt_tokens": pa.array(range(10, 10 + n), pa.int32()),
+        "output_tokens": pa.array([4] * n, pa.int32()), "bucket": [bucket] * n,
+        "status": [status] * n, "error": pa.array([None] * n, pa.string()),
+        "latency_s": [0.1] * n, "model": ["m"] * n, "run_id": ["r"] * n,
+        schema.BUCKET_INDEX: pa.array([0] * n, pa.int32()),
+        schema.ENGINE_CALL: pa.array([call] * n, pa.string()),
+        ENGINE_CALL_STATS: [json.dumps(first_stats)] + [None] * (n - 1) if first_stats else pa.array([None] * n, pa.string()),
+    })
+
+
+class Ctx:
+    def __init__(self, i):
+        self.task_idx = i
+
+
+def test_parts_are_whole_and_stats_merge(tmp_path):
+    out_schema = schema.output_schema(pa.schema([("id", pa.string()), ("text", pa.string())]), "id", "text")
+    sink = ParquetPartsSink(str(tmp_path / "out"), "run1", out_schema)
+    sink.on_write_start()
+    # A stale part from an earlier run is retired once this run completes.
+    stale = tmp_path / "out" / "part-run0-00000.parquet"
+    pq.write_table(pa.table({"x": [1]}), stale)
+    r0 = sink.write([block(["a", "b"], "le128", "c0", {"call": "c0", "rows": 3})], Ctx(0))
+    r1 = sink.write([block(["c"], "le128", "c0"), block(["d"], "le256", "c1", {"call": "c1", "rows": 1})], Ctx(1))
+    assert sorted(os.listdir(tmp_path / "out")) == [
+        "part-run0-00000.parquet", "part-run1-00000.parquet", "part-run1-00001.parquet"]
+
+    class WR:
+        write_returns = [r0, r1]
+
+    sink.on_write_complete(WR())
+    assert not stale.exists()
+    written = pq.read_table(tmp_path / "out")
+    assert written.schema == out_schema  # working columns dropped
+    assert sorted(written.column("id").to_pylist()) == ["a", "b", "c", "d"]
+    s = sink.summary
+    assert s["rows"] == 4 and s["status"] == {"ok": 4}
+    assert s["prompt_tokens_by_bucket"] == {"le128": [10, 11, 10], "le256": [10]}
+    # Call c0's rows span two parts; its range and row count merge.
+    assert s["calls"]["c0"]["rows_written"] == 3 and s["calls"]["c0"]["rows"] == 3
+    assert s["calls"]["c0"]["buckets"] == ["le128"]
+
+
+def test_merge_stats_of_empty_tasks():
+    assert merge_stats([{"file": None, "rows": 0}])["rows"] == 0
+
+
+def test_block_stats_counts_status():
+    t = pa.concat_tables([block(["a"], "le128", "c0"), block(["b"], "le128", None, status="error")])
+    stats = _block_stats(t)
+    assert stats["status"] == {"ok": 1, "error": 1}
+    assert list(stats["call_rows"]) == ["c0"]
