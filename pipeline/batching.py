@@ -1,37 +1,68 @@
-"""How many rows go into each engine call: the seam the batch-size controller plugs into.
+"""How much work goes into the engine at once: the seam the controller plugs into.
 
-The generate stage asks its policy `rows_for(bucket)` before each engine call
-and reports what the call did with `observe(bucket, stats)`. A fixed policy
-ignores the observations; an adaptive one grows and shrinks per bucket from them.
+The feeder asks its policy, before admitting rows, how many tokens (`budget`)
+and how many rows (`rows_for`) a bucket may have in flight, and reports each
+window's outcome with `observe`. `BatchSizeController` (controller.py) is the
+adaptive policy; `FixedBatchPolicy` is a fixed row count, the baseline.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+import math
+import time
+from typing import Any, Protocol
 
-from pipeline.engine import EngineCallStats
+from pipeline.controller import Observation
 
 
 class BatchPolicy(Protocol):
-    def rows_for(self, bucket: str) -> int:
-        """Rows to put in the next engine call for `bucket` (at least 1)."""
+    max_rows: int | None
+
+    def budget(self, bucket: str, tokens_per_row: float) -> float:
+        """Tokens (prompt + max new, per row) `bucket` may have in flight."""
         ...
 
-    def observe(self, bucket: str, stats: EngineCallStats) -> None:
-        """What the last engine call for `bucket` did."""
+    def rows_for(self, bucket: str, tokens_per_row: float) -> int:
+        """Rows `bucket` may have in flight (at least 1)."""
         ...
+
+    def observe(self, bucket: str, obs: Observation) -> None:
+        """What the last window of `bucket` did."""
+        ...
+
+    def trajectory(self, bucket: str) -> dict[str, Any]: ...
+
+    def learned_limits(self) -> dict[str, int]: ...
 
 
 class FixedBatchPolicy:
-    """The same number of rows per call for every bucket, from the profile."""
+    """The same number of rows for every bucket, from the profile; no memory budget."""
 
     def __init__(self, rows_per_call: int):
         if rows_per_call < 1:
             raise ValueError(f"rows_per_call must be at least 1, got {rows_per_call}")
         self.rows_per_call = rows_per_call
+        self.max_rows: int | None = None
+        self._t0 = time.monotonic()
+        self._seen: dict[str, list[dict[str, Any]]] = {}
 
-    def rows_for(self, bucket: str) -> int:
+    def budget(self, bucket: str, tokens_per_row: float) -> float:
+        return math.inf
+
+    def rows_for(self, bucket: str, tokens_per_row: float) -> int:
+        self._seen.setdefault(bucket, [])
         return self.rows_per_call
 
-    def observe(self, bucket: str, stats: EngineCallStats) -> None:
-        pass
+    def observe(self, bucket: str, obs: Observation) -> None:
+        self._seen.setdefault(bucket, []).append(
+            {"t": round(time.monotonic() - self._t0, 4), "budget": None, "rows": self.rows_per_call, "pressure": round(obs.pressure, 4),
+             "throughput": round(obs.throughput, 2), "preemptions": obs.preemptions, "oom": obs.oom}
+        )
+
+    def trajectory(self, bucket: str) -> dict[str, Any]:
+        steps = self._seen.get(bucket, [])
+        return {"steps": steps, "backoffs": [], "ceiling": None, "budget": None,
+                "peak_pressure": max((x["pressure"] for x in steps), default=0.0)}
+
+    def learned_limits(self) -> dict[str, int]:
+        return {}

@@ -93,6 +93,13 @@ class EngineConfig(_Section):
     max_num_seqs: int | None = Field(None, gt=0, description="Most requests the engine runs at once.")
     max_num_batched_tokens: int | None = Field(None, gt=0)
     extra: dict[str, Any] = Field(default_factory=dict, description="Passed to vllm.LLM as keyword arguments.")
+    startup_backoff: float = Field(
+        0.5, gt=0.0, lt=1.0,
+        description="On a memory failure at start-up, retry with gpu_memory_utilization times this.",
+    )
+    min_gpu_memory_utilization: float = Field(
+        0.05, gt=0.0, le=1.0, description="Give up on start-up retries below this memory fraction."
+    )
 
 
 class HardwareConfig(_Section):
@@ -111,7 +118,19 @@ class HardwareConfig(_Section):
 
 
 class BatchingConfig(_Section):
-    rows_per_call: int = Field(64, gt=0, description="Rows per engine call (fixed batch size).")
+    policy: Literal["adaptive", "fixed"] = Field(
+        "adaptive",
+        description="adaptive: grow each bucket's token budget to the memory target; fixed: rows_per_call rows.",
+    )
+    memory_target: float = Field(0.90, ge=0.5, le=0.98, description="Memory pressure the adaptive policy aims for.")
+    initial_budget_tokens: int | None = Field(
+        None, gt=0, description="Adaptive start, in tokens in flight; default: 0.9 x the engine's KV capacity."
+    )
+    feed: Literal["continuous", "drain"] = Field(
+        "continuous",
+        description="continuous: admit rows as others finish; drain: classic batches, each run to its last row.",
+    )
+    rows_per_call: int = Field(64, gt=0, description="Rows in flight under the fixed policy.")
     bucket_boundaries: list[int] = Field(
         default_factory=lambda: list(DEFAULT_BOUNDARIES),
         description="Inclusive upper bounds of the prompt-length buckets, in tokens.",
@@ -124,7 +143,13 @@ class BatchingConfig(_Section):
         ),
     )
     prepare_batch_rows: int = Field(256, gt=0, description="Rows per tokenizing batch.")
-    generate_batch_rows: int = Field(512, gt=0, description="Rows Ray Data hands an engine actor at once.")
+    generate_batch_rows: int = Field(1024, gt=0, description="Rows Ray Data hands an engine actor at once.")
+    learned_limits: str | None = Field(
+        None,
+        description="File to start from and save per-bucket limits to, keyed by model, hardware, "
+        "max_model_len and dtype; none: do not persist.",
+    )
+    learned_max_age_days: float = Field(30.0, gt=0, description="Older learned limits are ignored.")
 
     @field_validator("bucket_boundaries")
     @classmethod
@@ -134,11 +159,21 @@ class BatchingConfig(_Section):
         return b
 
 
+class DebugConfig(_Section):
+    inject_oom_at_batch: int | None = Field(
+        None, gt=0, description="Fault injection: an out-of-memory error in this engine batch (window), once."
+    )
+    inject_oom_kind: Literal["oom", "engine_death"] = Field(
+        "oom", description="oom: raise CUDA-style OOM in-process; engine_death: kill the engine core process."
+    )
+
+
 class ProfileConfig(_Section):
     model: ModelConfig
     engine: EngineConfig = EngineConfig()
     hardware: HardwareConfig
     batching: BatchingConfig = BatchingConfig()
+    debug: DebugConfig = DebugConfig()
 
 
 class RunConfig(_Section):

@@ -13,10 +13,13 @@ start without it.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
+import sys
+import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from pipeline.config import EngineConfig, SamplingConfig
@@ -50,13 +53,6 @@ class EngineCallStats:
     rejected: int = 0
 
 
-@dataclass
-class _Pending:
-    index: int
-    submitted: float
-    done: Completion | None = field(default=None)
-
-
 def engine_kwargs(model: str, engine: EngineConfig, seed: int | None) -> dict[str, Any]:
     """Keyword arguments for `vllm.LLM`, from the profile's engine section."""
     kwargs: dict[str, Any] = {
@@ -79,28 +75,190 @@ def engine_kwargs(model: str, engine: EngineConfig, seed: int | None) -> dict[st
     return kwargs
 
 
+# Start-up failures that mean "ask for less memory", from vLLM's GPU and CPU workers.
+STARTUP_MEMORY_ERRORS = (
+    "No available memory for the cache blocks",
+    "is less than desired GPU memory utilization",
+    "is less than desired CPU memory utilization",
+    "Free memory on device",
+    "out of memory",
+)
+
+
+def _root_cause(log_text: str) -> str | None:
+    """The exception line the engine core logged that explains a failed start:
+    a memory failure if there is one, else the first exception line."""
+    causes = []
+    for raw in log_text.splitlines():
+        line = raw.split("] ", 1)[-1].strip() if "] " in raw else raw.strip()
+        head = line.split(":", 1)[0]
+        if head.endswith(("Error", "Exception")) and " " not in head:
+            causes.append(line)
+    memory = [c for c in causes if is_startup_memory_error(Exception(), c)]
+    return (memory or causes or [None])[0]
+
+
+class EngineStartupError(RuntimeError):
+    """The engine would not start even at the lowest memory fraction allowed."""
+
+
+def is_startup_memory_error(error: BaseException, log_text: str = "") -> bool:
+    text = f"{error}\n{error.__cause__ or ''}\n{log_text}".lower()
+    return any(marker.lower() in text for marker in STARTUP_MEMORY_ERRORS)
+
+
+class EngineLogTee:
+    """Tee file descriptors 1 and 2 while the engine starts, to read why it failed.
+
+    vLLM's engine core runs in its own process, and when it fails to start the
+    client only says "see root cause above": the cause is in the core's log,
+    which it writes to the descriptors it inherited. Those are pointed at a
+    pipe for the start-up; a thread forwards everything to the real stderr
+    (for as long as the core lives) and keeps a copy of what came during the
+    start-up, so a memory failure can be told from any other.
+    """
+
+    def __init__(self) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        read_end, write_end = os.pipe()
+        self._saved = {fd: os.dup(fd) for fd in (1, 2)}
+        self._out = os.dup(2)  # the thread's own handle on the real stderr
+        for fd in (1, 2):
+            os.dup2(write_end, fd)
+        os.close(write_end)
+        self._chunks: list[bytes] = []
+        self._recording = True
+        self._thread = threading.Thread(target=self._pump, args=(read_end,), daemon=True)
+        self._thread.start()
+
+    def _pump(self, read_end: int) -> None:
+        with os.fdopen(read_end, "rb", buffering=0) as pipe:
+            while chunk := pipe.read(65536):
+                if self._recording:
+                    self._chunks.append(chunk)
+                os.write(self._out, chunk)
+        os.close(self._out)
+
+    def stop(self, wait_s: float = 0.0) -> str:
+        """Give this process its descriptors back; return what was captured. With
+        `wait_s`, first wait for the (dead) engine core's last lines."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, saved in self._saved.items():
+            os.dup2(saved, fd)
+            os.close(saved)
+        if wait_s:
+            self._thread.join(wait_s)
+        self._recording = False
+        return b"".join(self._chunks).decode(errors="replace")
+
+
+def is_engine_oom(error: BaseException) -> bool:
+    """An out-of-memory during generation: CUDA's own, or the engine core dying of one."""
+    name = type(error).__name__
+    return name in ("OutOfMemoryError", "EngineDeadError") or "out of memory" in str(error).lower()
+
+
 class VLLMEngine:
-    """One vLLM engine, built once and reused for every call."""
+    """One vLLM engine, built once and reused for every call.
+
+    Two ways to drive it: `generate` runs a list of prompts to completion;
+    `submit`, `step` and `abort` let a caller keep it fed, admitting new
+    requests as others finish.
+    """
 
     def __init__(self, model: str, engine: EngineConfig, seed: int | None = 0):
         if engine.cpu_kvcache_space_gib is not None:
             # Read by the CPU backend when the engine core starts.
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(engine.cpu_kvcache_space_gib)
+        self.config = engine
+        self.model = model
+        self.seed = seed
+        self.kwargs = engine_kwargs(model, engine, seed)
+        self.startup_attempts: list[dict[str, Any]] = []
+        self.rebuilds: list[dict[str, Any]] = []
+        self._build()
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    def _build(self) -> None:
+        """Start vLLM; on a memory failure at start-up retry with a lower memory
+        fraction, down to `min_gpu_memory_utilization`, then fail clearly."""
         from vllm import LLM
 
-        self.kwargs = engine_kwargs(model, engine, seed)
-        started = time.monotonic()
-        self._llm = LLM(**self.kwargs)
+        while True:
+            started = time.monotonic()
+            tee = EngineLogTee()
+            try:
+                self._llm = LLM(**self.kwargs)
+            except Exception as e:
+                util = self.kwargs["gpu_memory_utilization"]
+                cause = _root_cause(tee.stop(wait_s=2.0)) or f"{type(e).__name__}: {e}"
+                self.startup_attempts.append({"gpu_memory_utilization": util, "error": cause[:500]})
+                lower = round(util * self.config.startup_backoff, 4)
+                if not is_startup_memory_error(e, cause) or lower < self.config.min_gpu_memory_utilization:
+                    tried = ", ".join(str(a["gpu_memory_utilization"]) for a in self.startup_attempts)
+                    raise EngineStartupError(
+                        f"vLLM did not start (gpu_memory_utilization tried: {tried}; floor "
+                        f"{self.config.min_gpu_memory_utilization}): {cause}"
+                    ) from e
+                log.warning("engine start-up failed at gpu_memory_utilization=%s; retrying at %s", util, lower)
+                self.kwargs["gpu_memory_utilization"] = lower
+                continue
+            tee.stop()
+            self.startup_attempts.append({"gpu_memory_utilization": self.kwargs["gpu_memory_utilization"], "error": None})
+            break
         self.startup_s = time.monotonic() - started
         self._engine = self._llm.llm_engine
         self._next_id = 0
-        cache = self._engine.vllm_config.cache_config
-        self.max_model_len: int = self._engine.vllm_config.model_config.max_model_len
+        config = self._engine.vllm_config
+        cache = config.cache_config
+        self.max_model_len: int = config.model_config.max_model_len
+        self.max_num_seqs: int = config.scheduler_config.max_num_seqs
         self.kv_cache_tokens: int | None = (
             cache.num_gpu_blocks * cache.block_size if cache.num_gpu_blocks else None
         )
 
-    def _sampling(self, sampling: SamplingConfig) -> Any:
+    def rebuild(self, reason: str) -> None:
+        """Replace a dead or out-of-memory engine with one that asks for less:
+        a lower memory fraction and fewer concurrent sequences."""
+        self.close()
+        before = {"gpu_memory_utilization": self.kwargs["gpu_memory_utilization"], "max_num_seqs": self.max_num_seqs}
+        self.kwargs["gpu_memory_utilization"] = max(
+            self.config.min_gpu_memory_utilization,
+            round(self.kwargs["gpu_memory_utilization"] * self.config.startup_backoff ** 0.5, 4),
+        )
+        self.kwargs["max_num_seqs"] = max(1, self.max_num_seqs // 2)
+        self.startup_attempts = []
+        self._build()
+        after = {"gpu_memory_utilization": self.kwargs["gpu_memory_utilization"], "max_num_seqs": self.max_num_seqs}
+        self.rebuilds.append({"reason": reason, "before": before, "after": after, "startup_s": round(self.startup_s, 2)})
+
+    def close(self) -> None:
+        """Stop the engine core process now rather than at interpreter exit."""
+        core = getattr(getattr(self, "_engine", None), "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            try:
+                core.shutdown()
+            except Exception:  # already dead: nothing left to stop
+                pass
+        self._llm = None
+        self._engine = None
+        gc.collect()
+
+    def core_pids(self) -> list[int]:
+        """Processes of the engine core (vLLM runs it apart from this process)."""
+        import psutil
+
+        return [
+            p.pid for p in psutil.Process().children(recursive=True)
+            if "EngineCore" in " ".join(p.cmdline() or [p.name()]) or "EngineCore" in p.name()
+        ]
+
+    # -- driving it --------------------------------------------------------------
+
+    def sampling_params(self, sampling: SamplingConfig) -> Any:
         from vllm import SamplingParams
 
         return SamplingParams(
@@ -110,7 +268,7 @@ class VLLMEngine:
             seed=sampling.seed,
         )
 
-    def _gauges(self) -> tuple[float, int]:
+    def kv_gauges(self) -> tuple[float, int]:
         """(KV-cache usage 0..1, preemptions so far), read while the engine works."""
         usage, preemptions = 0.0, 0
         for metric in self._llm.get_metrics():
@@ -120,6 +278,31 @@ class VLLMEngine:
                 preemptions += int(metric.value)
         return usage, preemptions
 
+    def submit(self, prompt_token_ids: list[int], params: Any) -> str:
+        """Queue one request; raises if the engine refuses it (too long, say)."""
+        request_id = f"req-{self._next_id}"
+        self._next_id += 1
+        self._engine.add_request(request_id, {"prompt_token_ids": prompt_token_ids}, params)
+        return request_id
+
+    def step(self) -> list[tuple[str, Completion]]:
+        """One engine step; the requests it finished, with latency left at 0 for the caller."""
+        finished = []
+        for out in self._engine.step():
+            if out.finished:
+                first = out.outputs[0]
+                finished.append(
+                    (out.request_id, Completion(first.text, len(first.token_ids), 0.0, first.finish_reason))
+                )
+        return finished
+
+    def abort(self, request_ids: list[str]) -> None:
+        if request_ids and self._engine is not None:
+            self._engine.abort_request(request_ids)
+
+    def has_unfinished(self) -> bool:
+        return self._engine.has_unfinished_requests()
+
     def generate(
         self, prompts: list[list[int]], sampling: SamplingConfig
     ) -> tuple[list[Completion], EngineCallStats]:
@@ -128,53 +311,39 @@ class VLLMEngine:
         A prompt the engine refuses (too long for the context, say) gets a
         Completion with `error` set; the others run as usual.
         """
-        params = self._sampling(sampling)
+        params = self.sampling_params(sampling)
         started = time.monotonic()
-        _, preempted_before = self._gauges()
-        pending: dict[str, _Pending] = {}
+        _, preempted_before = self.kv_gauges()
+        pending: dict[str, tuple[int, float]] = {}
         results: list[Completion | None] = [None] * len(prompts)
         rejected = 0
 
         # 1. Submit everything; the engine's scheduler decides what runs when.
         for i, ids in enumerate(prompts):
-            request_id = f"req-{self._next_id}"
-            self._next_id += 1
             try:
-                self._engine.add_request(request_id, {"prompt_token_ids": ids}, params)
+                pending[self.submit(ids, params)] = (i, time.monotonic())
             except Exception as e:  # vLLM validates per request: isolate the culprit.
                 results[i] = Completion(None, 0, 0.0, error=f"{type(e).__name__}: {e}")
                 rejected += 1
-                continue
-            pending[request_id] = _Pending(i, time.monotonic())
 
         # 2. Step until every request finishes, timing each to its own completion.
-        steps, output_tokens, peak_usage = 0, 0, 0.0
-        last_sample = 0.0
-        while self._engine.has_unfinished_requests():
-            outputs = self._engine.step()
+        steps, output_tokens, peak_usage, last_sample = 0, 0, 0.0, 0.0
+        while self.has_unfinished():
+            finished = self.step()
             steps += 1
             now = time.monotonic()
-            for out in outputs:
-                if not out.finished:
-                    continue
-                p = pending[out.request_id]
-                first = out.outputs[0]
-                results[p.index] = Completion(
-                    text=first.text,
-                    output_tokens=len(first.token_ids),
-                    latency_s=now - p.submitted,
-                    finish_reason=first.finish_reason,
-                )
-                output_tokens += len(first.token_ids)
+            for request_id, c in finished:
+                i, submitted = pending[request_id]
+                results[i] = Completion(c.text, c.output_tokens, now - submitted, c.finish_reason)
+                output_tokens += c.output_tokens
             # KV usage reads 0 once requests finish, so sample it mid-flight,
             # but not every step: collecting metrics costs about a step's time
             # on a tiny model.
             if now - last_sample >= GAUGE_INTERVAL_S:
-                usage, _ = self._gauges()
-                peak_usage = max(peak_usage, usage)
+                peak_usage = max(peak_usage, self.kv_gauges()[0])
                 last_sample = now
 
-        _, preempted_after = self._gauges()
+        _, preempted_after = self.kv_gauges()
         missing = [i for i, r in enumerate(results) if r is None]
         if missing:
             raise RuntimeError(f"engine finished without results for prompts {missing[:5]}")
@@ -188,9 +357,3 @@ class VLLMEngine:
             rejected=rejected,
         )
         return [r for r in results if r is not None], stats
-
-    def close(self) -> None:
-        """Stop the engine core process now rather than at interpreter exit."""
-        core = getattr(self._engine, "engine_core", None)
-        if core is not None and hasattr(core, "shutdown"):
-            core.shutdown()

@@ -52,6 +52,38 @@ def bucket_table(prompt_tokens_by_bucket: dict[str, list[int]], order: tuple[str
     return out
 
 
+def actor_summaries(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each actor's totals as of its last call (they are cumulative)."""
+    latest: dict[str, dict[str, Any]] = {}
+    for c in calls:
+        a = c.get("actor")
+        if a and (a["actor"] not in latest or a["windows"] >= latest[a["actor"]]["windows"]):
+            latest[a["actor"]] = a
+    return list(latest.values())
+
+
+def bucket_batching(calls: list[dict[str, Any]], order: tuple[str, ...]) -> dict[str, Any]:
+    """Per bucket: the batch-size trajectory, back-offs, peak pressure, busy fraction."""
+    out: dict[str, Any] = {}
+    for name in (*order, "mixed"):
+        mine = [c for c in calls if c.get("bucket") == name]
+        if not mine:
+            continue
+        wall = sum(c.get("wall_s", 0.0) for c in mine)
+        busy = sum(c.get("busy_s", 0.0) for c in mine)
+        out[name] = {
+            "calls": len(mine),
+            "trajectory": [
+                {**step, "actor": c["actor"]["actor"]} for c in mine for step in c.get("trajectory", [])
+            ],
+            "backoffs": [{**b, "actor": c["actor"]["actor"]} for c in mine for b in c.get("backoffs", [])],
+            "peak_pressure": max((c.get("peak_pressure", 0.0) for c in mine), default=0.0),
+            "preemptions": sum(c.get("preemptions", 0) for c in mine),
+            "busy_fraction": round(busy / wall, 4) if wall > 0 else None,
+        }
+    return out
+
+
 def build_report(
     *,
     run_id: str,
@@ -64,10 +96,11 @@ def build_report(
     bucket_order: tuple[str, ...],
 ) -> dict[str, Any]:
     calls = sorted(written["calls"].values(), key=lambda c: c.get("call", ""))
-    engines = [c["engine"] for c in calls if "engine" in c]
-    for c in calls:
-        c.pop("engine", None)
+    engines = [c.pop("engine") for c in calls if "engine" in c]
+    actors = actor_summaries(calls)
     engine_s = sum(c.get("wall_s", 0.0) for c in calls)
+    busy_s = sum(a["busy_s"] for a in actors)
+    batching = config.profile.batching
     return {
         "run_id": run_id,
         "job": config.job.name,
@@ -87,20 +120,33 @@ def build_report(
         # Wall time includes Ray and engine start-up; engine time is the calls alone.
         "engine_s": round(engine_s, 3),
         "engine_output_tokens_per_s": round(written["output_tokens"] / engine_s, 2) if engine_s > 0 else None,
-        "engine": {"settings": engine_settings, "actors": engines, "calls": len(calls)},
-        "engine_calls": calls,
+        # Time with at least one request running, over the time the engines were in use.
+        "busy_fraction": (
+            round(busy_s / sum(a["active_s"] for a in actors), 4)
+            if actors and sum(a["active_s"] for a in actors) > 0 else None
+        ),
+        "batching": {
+            "policy": batching.policy,
+            "feed": batching.feed,
+            "memory_target": batching.memory_target if batching.policy == "adaptive" else None,
+            "rows_per_call": batching.rows_per_call if batching.policy == "fixed" else None,
+            "backoffs": sum(len(c.get("backoffs", [])) for c in calls),
+            "per_bucket": bucket_batching(calls, bucket_order),
+        },
+        "engine": {"settings": engine_settings, "engines": engines, "actors": actors, "calls": len(calls)},
+        "engine_calls": [{k: v for k, v in c.items() if k not in ("trajectory", "backoffs", "actor")}
+                         | {"actor": c.get("actor", {}).get("actor")} for c in calls],
         "files": sorted(written["files"]),
         "versions": versions(),
     }
 
 
-def write_report(output: str, report: dict[str, Any]) -> str:
-    """Write `_report.json` into the output folder (whole, via a temporary name locally)."""
+def write_beside(output: str, name: str, data: bytes) -> str:
+    """Write `name` into the output folder, whole (via a temporary name locally)."""
     fs, root = resolve(output)
-    final = f"{root}/{REPORT_NAME}"
-    data = json.dumps(report, indent=2, sort_keys=False).encode()
+    final = f"{root}/{name}"
     if isinstance(fs, pafs.LocalFileSystem):
-        tmp = f"{root}/.{REPORT_NAME}.tmp"
+        tmp = f"{root}/.{name}.tmp"
         with fs.open_output_stream(tmp) as f:
             f.write(data)
         fs.move(tmp, final)
@@ -108,6 +154,10 @@ def write_report(output: str, report: dict[str, Any]) -> str:
         with fs.open_output_stream(final) as f:
             f.write(data)
     return final
+
+
+def write_report(output: str, report: dict[str, Any]) -> str:
+    return write_beside(output, REPORT_NAME, json.dumps(report, indent=2).encode())
 
 
 def read_report(output: str) -> dict[str, Any]:

@@ -17,15 +17,18 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from pipeline import schema
+from pipeline import learned, schema
 from pipeline.bucketing import LengthBucketer
 from pipeline.config import RunConfig
 from pipeline.engine import engine_kwargs
 from pipeline.inputs import check_inputs
-from pipeline.report import build_report, write_report
+from pipeline.plots import plot_trajectories
+from pipeline.report import build_report, write_beside, write_report
 from pipeline.stages.prepare import context_limit
 
 log = logging.getLogger(__name__)
+
+PLOT_NAME = "_batching.png"
 
 # Quiet by default: vLLM logs every engine start at INFO, once per actor.
 WORKER_ENV_DEFAULTS = {"VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "true"}
@@ -81,6 +84,12 @@ def run_job(config: RunConfig, run_id: str | None = None) -> dict[str, Any]:
     model_path = resolve_model(config)
     max_model_len = context_limit(model_path, profile.engine.max_model_len)
     bucketer = LengthBucketer(profile.batching.bucket_boundaries)
+    limits_key = learned.limits_key(
+        profile.model.name, learned.hardware_id(profile.hardware.accelerator), max_model_len, profile.engine.dtype
+    )
+    start_limits = learned.load_limits(
+        profile.batching.learned_limits, limits_key, profile.batching.learned_max_age_days
+    )
 
     # 2. The dataset: nothing runs until the write pulls it.
     init_ray(config)
@@ -99,7 +108,9 @@ def run_job(config: RunConfig, run_id: str | None = None) -> dict[str, Any]:
         ds = ds.sort(schema.BUCKET_INDEX, boundaries=list(range(1, len(bucketer.names))))
     ds = ds.map_batches(
         GenerateStage,
-        fn_constructor_kwargs={"config": config, "model_path": model_path, "run_id": run_id},
+        fn_constructor_kwargs={
+            "config": config, "model_path": model_path, "run_id": run_id, "learned": start_limits,
+        },
         batch_size=batching.generate_batch_rows,
         batch_format="pyarrow",
         concurrency=hw.num_engines,
@@ -122,5 +133,14 @@ def run_job(config: RunConfig, run_id: str | None = None) -> dict[str, Any]:
         engine_settings=engine_kwargs(model_path, profile.engine, job.sampling.seed),
         bucket_order=bucketer.names,
     )
+    report["batching"]["learned_limits"] = {"path": profile.batching.learned_limits, "key": limits_key,
+                                            "started_from": start_limits}
+    if profile.batching.learned_limits and profile.batching.policy == "adaptive":
+        limits = learned.merge_limits([a["learned"] for a in report["engine"]["actors"]])
+        if limits:
+            learned.save_limits(profile.batching.learned_limits, limits_key, limits)
+            report["batching"]["learned_limits"]["saved"] = limits
+    png = plot_trajectories(report)
+    report["plot_path"] = write_beside(job.output.path, PLOT_NAME, png) if png else None
     report["report_path"] = write_report(job.output.path, report)
     return report

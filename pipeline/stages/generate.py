@@ -1,17 +1,20 @@
-"""Generate: one vLLM engine per actor, fed rows grouped by length bucket.
+"""Generate: one vLLM engine per actor, fed one length bucket at a time.
 
 Input: prepared rows (see `prepare`). Output: the same rows with `summary`,
 `output_tokens`, `latency_s`, `model` and `run_id` filled in, and two working
-columns for the report: `_engine_call` (which call served the row) and
-`_engine_call_stats` (that call's stats as JSON, on its first row only).
+columns for the report: `_engine_call` (which engine call served the row) and
+`_engine_call_stats` (that call's record as JSON, on its first row only).
 Rows that arrive with status `error` pass through untouched.
+
+An *engine call* is one bucket's run of rows within a batch: the feeder keeps
+the engine full with them, admitting rows as others finish, and never mixes
+buckets in one call.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import asdict
 from itertools import groupby
 from typing import Any
 
@@ -21,46 +24,56 @@ from pipeline import schema
 from pipeline.batching import BatchPolicy, FixedBatchPolicy
 from pipeline.bucketing import LengthBucketer
 from pipeline.config import RunConfig
+from pipeline.controller import BatchSizeController, ControllerSettings
 from pipeline.engine import VLLMEngine
+from pipeline.feeder import EngineFeeder
 from pipeline.schema import Status
 
 ENGINE_CALL_STATS = "_engine_call_stats"
 
 
-def engine_calls(rows: list[int], buckets: list[int], grouping: str, policy: BatchPolicy,
-                 names: tuple[str, ...]) -> list[tuple[str, list[int]]]:
+def bucket_runs(rows: list[int], buckets: list[int], grouping: str,
+                names: tuple[str, ...]) -> list[tuple[str, list[int]]]:
     """Split row positions into engine calls: (bucket name, positions) each.
 
-    With grouping on, consecutive rows of one bucket form runs and each run is
-    cut into calls of `policy.rows_for(bucket)` rows, so no call mixes buckets.
-    With grouping off, calls take rows in arrival order, whatever their bucket.
+    With grouping on, each bucket's rows form one call, in arrival order, so no
+    call mixes buckets. With grouping off, one call takes every row as it came.
     """
+    if not rows:
+        return []
     if grouping == "off":
-        runs = [("mixed", rows)]
-    else:
-        ordered = sorted(rows, key=lambda i: buckets[i])  # stable: arrival order within a bucket
-        runs = [(names[k], list(g)) for k, g in groupby(ordered, key=lambda i: buckets[i])]
-    calls = []
-    for bucket, members in runs:
-        start = 0
-        while start < len(members):
-            size = max(1, policy.rows_for(bucket))
-            calls.append((bucket, members[start : start + size]))
-            start += size
-    return calls
+        return [("mixed", list(rows))]
+    ordered = sorted(rows, key=lambda i: buckets[i])  # stable: arrival order within a bucket
+    return [(names[k], list(g)) for k, g in groupby(ordered, key=lambda i: buckets[i])]
+
+
+def make_policy(config: RunConfig, engine: VLLMEngine, learned: dict[str, int] | None) -> BatchPolicy:
+    b = config.profile.batching
+    if b.policy == "fixed":
+        return FixedBatchPolicy(b.rows_per_call)
+    return BatchSizeController(
+        ControllerSettings(target=b.memory_target, max_rows=engine.max_num_seqs),
+        kv_capacity_tokens=engine.kv_cache_tokens,
+        learned=learned,
+        initial_budget_tokens=b.initial_budget_tokens,
+    )
 
 
 class GenerateStage:
     """Engine actor: the engine is built once, here, and reused for every batch."""
 
-    def __init__(self, config: RunConfig, model_path: str, run_id: str):
-        self.sampling = config.job.sampling
+    def __init__(self, config: RunConfig, model_path: str, run_id: str,
+                 learned: dict[str, int] | None = None):
         self.grouping = config.profile.batching.bucket_grouping
         self.model_name = config.profile.model.name
         self.run_id = run_id
         self.bucket_names = LengthBucketer(config.profile.batching.bucket_boundaries).names
         self.engine = VLLMEngine(model_path, config.profile.engine, seed=config.job.sampling.seed)
-        self.policy: BatchPolicy = FixedBatchPolicy(config.profile.batching.rows_per_call)
+        self.policy = make_policy(config, self.engine, learned)
+        self.feeder = EngineFeeder(
+            self.engine, self.policy, config.job.sampling,
+            feed=config.profile.batching.feed, debug=config.profile.debug,
+        )
         self.actor = uuid.uuid4().hex[:8]
         self.calls = 0
 
@@ -68,8 +81,23 @@ class GenerateStage:
         return {
             "actor": self.actor,
             "startup_s": round(self.engine.startup_s, 3),
+            "startup_attempts": self.engine.startup_attempts,
             "kv_cache_tokens": self.engine.kv_cache_tokens,
             "max_model_len": self.engine.max_model_len,
+            "max_num_seqs": self.engine.max_num_seqs,
+        }
+
+    def actor_totals(self) -> dict[str, Any]:
+        t = self.feeder.totals
+        return {
+            "actor": self.actor,
+            "busy_s": round(t.busy_s, 4),
+            "active_s": round((t.last_end or 0) - (t.first_start or 0), 4),
+            "busy_fraction": t.busy_fraction(),
+            "windows": t.windows,
+            "oom_retries": t.oom_retries,
+            "rebuilds": self.engine.rebuilds,
+            "learned": self.policy.learned_limits(),
         }
 
     def __call__(self, batch: pa.Table) -> pa.Table:
@@ -85,16 +113,16 @@ class GenerateStage:
         call_stats: list[str | None] = [None] * n
 
         eligible = [i for i in range(n) if status[i] == Status.OK]
-        for bucket, members in engine_calls(eligible, buckets, self.grouping, self.policy, self.bucket_names):
-            completions, stats = self.engine.generate([token_ids[i] for i in members], self.sampling)
-            self.policy.observe(bucket, stats)
-            call_id = f"{self.actor}-{self.calls}"
-            record = {"call": call_id, "bucket": bucket, **asdict(stats)}
+        for bucket, members in bucket_runs(eligible, buckets, self.grouping, self.bucket_names):
+            served = self.feeder.serve(bucket, [(i, token_ids[i]) for i in members])
+            call_id = f"{self.actor}-{self.calls:05d}"
+            record = {"call": call_id, **served.record, "actor": self.actor_totals()}
             if self.calls == 0:
                 record["engine"] = self.engine_info()
             self.calls += 1
             call_stats[members[0]] = json.dumps(record)
-            for i, c in zip(members, completions):
+            for i in members:
+                c = served.completions[i]
                 call_of[i] = call_id
                 latency[i] = c.latency_s
                 output_tokens[i] = c.output_tokens

@@ -40,6 +40,16 @@ def run_cli(job: Path, profile: Path, *args: str) -> subprocess.CompletedProcess
     )
 
 
+def read_run(output: Path, corpus_path: Path, result: subprocess.CompletedProcess) -> JobRun:
+    return read_run(output, corpus_path, result)
+
+
+@pytest.fixture(scope="session")
+def sample_corpus(tmp_path_factory) -> Path:
+    """The `make run` corpus: 1,000 rows, seed 0."""
+    return write_corpus(tmp_path_factory.mktemp("sample") / "corpus.parquet", rows=1000, seed=0)
+
+
 @pytest.fixture(scope="session")
 def job_run(tmp_path_factory, tiny_model) -> JobRun:
     tmp = tmp_path_factory.mktemp("job")
@@ -55,6 +65,4 @@ def job_run(tmp_path_factory, tiny_model) -> JobRun:
         "--set", "batching.generate_batch_rows=48",
         "--set", "engine.max_model_len=8192",
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads((output / "_report.json").read_text())
-    return JobRun(pq.read_table(corpus_path), output, result, report, pq.read_table(output))
+    return read_run(output, corpus_path, result)

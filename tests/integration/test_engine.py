@@ -10,13 +10,30 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
+    # 0.99 of the NUMA node's memory is more than is ever free: the first start
+    # fails the CPU worker's memory check, and the retry at 0.99 x 0.2 starts.
     e = VLLMEngine(
         str(tiny_model),
-        EngineConfig(max_model_len=512, dtype="bfloat16", gpu_memory_utilization=0.2, enforce_eager=True),
+        EngineConfig(max_model_len=512, dtype="bfloat16", gpu_memory_utilization=0.99,
+                     startup_backoff=0.2, enforce_eager=True),
         seed=0,
     )
     yield e
     e.close()
+
+
+def test_start_up_memory_failure_is_retried_with_less(engine):
+    first, second = engine.startup_attempts
+    assert first["gpu_memory_utilization"] == 0.99 and "less than desired" in first["error"]
+    assert second == {"gpu_memory_utilization": 0.198, "error": None}
+
+
+def test_start_up_gives_up_clearly_at_the_floor(tiny_model):
+    from pipeline.engine import EngineStartupError
+
+    with pytest.raises(EngineStartupError, match=r"tried: 0.99; floor 0.5"):
+        VLLMEngine(str(tiny_model), EngineConfig(max_model_len=512, gpu_memory_utilization=0.99,
+                                                 min_gpu_memory_utilization=0.5, enforce_eager=True))
 
 
 def prompts(n, length=20):

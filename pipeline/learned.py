@@ -1,0 +1,80 @@
+"""Per-bucket limits learned in one run, kept for the next, so a nightly job starts warm.
+
+The file holds one set of limits and the key it is valid for: model,
+hardware, max_model_len and dtype. A file for another key, an unreadable one
+or one older than `max_age_days` is ignored with a warning; the run then
+learns afresh and overwrites it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+log = logging.getLogger(__name__)
+
+
+def hardware_id(accelerator: str) -> str:
+    """What the limits depend on: the GPU model, or the CPU model for the CPU backend."""
+    if accelerator == "gpu":
+        from pipeline.memory import open_nvml
+
+        nvml = open_nvml()
+        return f"gpu:{nvml.name if nvml else 'unknown'}"
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"cpu:{name}"
+
+
+def limits_key(model: str, hardware: str, max_model_len: int, dtype: str) -> dict[str, Any]:
+    return {"model": model, "hardware": hardware, "max_model_len": max_model_len, "dtype": dtype}
+
+
+def load_limits(path: str | None, key: dict[str, Any], max_age_days: float) -> dict[str, int]:
+    """The limits saved for `key`, or {} (with a warning saying why) if none apply."""
+    if path is None or not os.path.exists(path):
+        return {}
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        saved_key, limits, saved_at = data["key"], data["limits"], float(data["saved_at"])
+    except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError) as e:
+        log.warning("ignoring learned limits in %s: unreadable (%s)", path, e)
+        return {}
+    if saved_key != key:
+        diff = {k: (saved_key.get(k), v) for k, v in key.items() if saved_key.get(k) != v}
+        log.warning("ignoring learned limits in %s: made for another setup (saved, now): %s", path, diff)
+        return {}
+    age_days = (time.time() - saved_at) / 86400
+    if age_days > max_age_days:
+        log.warning("ignoring learned limits in %s: %.1f days old (limit %.0f)", path, age_days, max_age_days)
+        return {}
+    return {str(b): int(v) for b, v in limits.items()}
+
+
+def save_limits(path: str, key: dict[str, Any], limits: dict[str, int]) -> None:
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp")
+    tmp.write_text(yaml.safe_dump({"key": key, "saved_at": time.time(), "limits": dict(sorted(limits.items()))}))
+    os.replace(tmp, target)
+
+
+def merge_limits(per_actor: list[dict[str, int]]) -> dict[str, int]:
+    """Engines of one run may learn different limits for a bucket: keep the smallest."""
+    merged: dict[str, int] = {}
+    for limits in per_actor:
+        for bucket, value in limits.items():
+            merged[bucket] = min(value, merged.get(bucket, value))
+    return merged

@@ -1,0 +1,102 @@
+"""MemoryProbe: how close the engine is to running out of memory, as one number.
+
+Pressure (0..1) is the largest of the signals that apply:
+
+- **KV cache**: vLLM's `kv_cache_usage_perc`, the share of its preallocated KV
+  blocks in use, and its preemption counter. Under vLLM this is *the* signal.
+  It must be read while requests run: it falls to 0 once they finish.
+- **Device memory** (NVML, `nvidia-ml-py`): used / total of the GPU the
+  process sees. vLLM preallocates its share of the device at start-up
+  (`gpu_memory_utilization`, 0.9 by default), so NVML reads ~0.9 whatever the
+  batch size. For a preallocating engine it is therefore only a *guard*: it
+  counts when it passes `guard_level`, a sign something else is allocating.
+  For engines that allocate as they go it is the pressure itself.
+- **Host memory** (psutil): used / total RAM. On vLLM's CPU backend the KV
+  cache lives in host memory and is preallocated too, so the same rule holds:
+  a guard under a preallocating engine, the signal otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import psutil
+
+GUARD_LEVEL = 0.97
+
+
+@dataclass(frozen=True)
+class PressureReading:
+    pressure: float
+    kv_cache: float | None
+    preemptions: int | None
+    device: float | None
+    host: float
+
+
+class _Nvml:
+    """Device memory of the first GPU this process sees, via NVML."""
+
+    def __init__(self) -> None:
+        import pynvml
+
+        pynvml.nvmlInit()
+        self._nvml = pynvml
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
+        self.handle = (
+            pynvml.nvmlDeviceGetHandleByUUID(visible)
+            if visible.startswith(("GPU-", "MIG-"))
+            else pynvml.nvmlDeviceGetHandleByIndex(int(visible))
+        )
+        self.name = pynvml.nvmlDeviceGetName(self.handle)
+
+    def used_fraction(self) -> float:
+        info = self._nvml.nvmlDeviceGetMemoryInfo(self.handle)
+        return info.used / info.total
+
+
+def open_nvml() -> _Nvml | None:
+    """NVML for this process's GPU, or None where there is no NVIDIA driver or package."""
+    try:
+        return _Nvml()
+    except Exception:  # no pynvml, no driver, no device: the signal does not apply
+        return None
+
+
+class MemoryProbe:
+    """Reads every signal that applies and combines them into one pressure."""
+
+    def __init__(
+        self,
+        kv_gauges: Callable[[], tuple[float, int]] | None = None,
+        preallocated: bool = True,
+        guard_level: float = GUARD_LEVEL,
+        use_nvml: bool = True,
+    ):
+        self.kv_gauges = kv_gauges
+        self.preallocated = preallocated
+        self.guard_level = guard_level
+        self.nvml = open_nvml() if use_nvml else None
+
+    def device_fraction(self) -> float | None:
+        return self.nvml.used_fraction() if self.nvml is not None else None
+
+    @staticmethod
+    def host_fraction() -> float:
+        vm = psutil.virtual_memory()
+        return (vm.total - vm.available) / vm.total
+
+    def _counted(self, value: float | None) -> float:
+        if value is None:
+            return 0.0
+        if self.preallocated and value < self.guard_level:
+            return 0.0
+        return value
+
+    def read(self) -> PressureReading:
+        kv, preemptions = self.kv_gauges() if self.kv_gauges is not None else (None, None)
+        device, host = self.device_fraction(), self.host_fraction()
+        pressure = max(kv or 0.0, self._counted(device), self._counted(host))
+        return PressureReading(pressure, kv, preemptions, device, host)

@@ -1,0 +1,124 @@
+"""Adaptive batch sizing on the real engine (vLLM CPU backend, tiny model).
+
+`conf/local-small-kv.yaml` gives the engine a 72-block KV cache, so on the
+sample corpus memory pressure reaches the target and the engine preempts.
+"""
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import REPO
+from tests.integration.conftest import read_run, run_cli
+
+pytestmark = pytest.mark.integration
+
+SMALL_KV = REPO / "conf/local-small-kv.yaml"
+JOB = REPO / "jobs/nightly_summarize.yaml"
+
+
+def small_kv(tiny_model, corpus: Path, output: Path, *sets: str):
+    args = ["--input", str(corpus), "--output", str(output), "--set", f"model.name={tiny_model}"]
+    for s in sets:
+        args += ["--set", s]
+    return read_run(output, corpus, run_cli(JOB, SMALL_KV, *args))
+
+
+@pytest.fixture(scope="module")
+def limits_file(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("learned") / "limits.yaml"
+
+
+@pytest.fixture(scope="module")
+def adaptive_run(tiny_model, sample_corpus, limits_file, tmp_path_factory):
+    return small_kv(tiny_model, sample_corpus, tmp_path_factory.mktemp("adaptive") / "out",
+                    f"batching.learned_limits={limits_file}")
+
+
+def assert_nothing_lost(run):
+    ids = run.written.column("id").to_pylist()
+    assert Counter(ids) == Counter(run.corpus.column("id").to_pylist())
+    assert run.report["status"] == {"ok": run.corpus.num_rows}
+
+
+def test_every_row_ends_ok(adaptive_run):
+    assert_nothing_lost(adaptive_run)
+
+
+def test_controller_grew_and_backed_off(adaptive_run):
+    per_bucket = adaptive_run.report["batching"]["per_bucket"]
+    grows = {b: sum(s["action"] == "grow" for s in v["trajectory"]) for b, v in per_bucket.items()}
+    assert max(grows.values()) >= 2, grows
+    backoffs = [x for v in per_bucket.values() for x in v["backoffs"]]
+    assert len(backoffs) >= 1
+    assert all(x["to"] < x["from"] and x["ceiling"] < x["from"] for x in backoffs)
+    assert adaptive_run.report["batching"]["backoffs"] == len(backoffs)
+
+
+def test_pressure_stays_near_the_target_after_warm_up(adaptive_run):
+    target = adaptive_run.report["batching"]["memory_target"]
+    low, high = target - 0.15, target + 0.05
+    warmed = 0
+    for name, v in adaptive_run.report["batching"]["per_bucket"].items():
+        steps = [s for s in v["trajectory"] if s["action"] != "start" and s["reason"] != "drain"]
+        # Warm-up ends the first time a window reaches the band.
+        first = next((i for i, s in enumerate(steps) if s["pressure"] >= low), None)
+        if first is None or len(steps) - first < 4:
+            continue  # a bucket too small to finish warming up (a handful of long rows)
+        warmed += 1
+        after = [s["pressure"] for s in steps[first:]]
+        assert max(after) <= high, (name, after)
+        inside = sum(low <= p <= high for p in after) / len(after)
+        assert inside >= 0.8, (name, after)
+    assert warmed >= 2  # le256 and le512 hold hundreds of rows each
+
+
+def test_busy_fraction_and_plot_are_reported(adaptive_run):
+    report = adaptive_run.report
+    assert 0.5 < report["busy_fraction"] <= 1.0
+    for v in report["batching"]["per_bucket"].values():
+        assert 0.0 < v["busy_fraction"] <= 1.0 and 0.0 <= v["peak_pressure"] <= 1.0
+    plot = Path(report["plot_path"])
+    assert plot.parent == adaptive_run.output and plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_learned_limits_are_saved_with_their_key(adaptive_run, limits_file, tiny_model):
+    saved = yaml.safe_load(limits_file.read_text())
+    assert saved["key"]["model"] == str(tiny_model)
+    assert saved["key"]["max_model_len"] == 8192 and saved["key"]["dtype"] == "bfloat16"
+    assert saved["key"]["hardware"].startswith("cpu:")
+    assert set(saved["limits"]) >= {"le256", "le512"}
+    assert saved["limits"] == adaptive_run.report["batching"]["learned_limits"]["saved"]
+
+
+def test_injected_oom_loses_no_row_and_the_next_run_starts_warm(
+    adaptive_run, tiny_model, sample_corpus, limits_file, tmp_path
+):
+    run = small_kv(tiny_model, sample_corpus, tmp_path / "out",
+                   f"batching.learned_limits={limits_file}", "debug.inject_oom_at_batch=3")
+    assert_nothing_lost(run)
+    batching = run.report["batching"]
+    backoffs = [x for v in batching["per_bucket"].values() for x in v["backoffs"]]
+    oom = [x for x in backoffs if x["reason"] == "oom"]
+    assert len(oom) == 1 and oom[0]["to"] <= oom[0]["from"] // 2 + 1
+    assert run.report["engine"]["actors"][0]["oom_retries"] == 1
+    # It started from what the first run learned, not from scratch.
+    assert batching["learned_limits"]["started_from"] == adaptive_run.report["batching"]["learned_limits"]["saved"]
+    starts = [v["trajectory"][0] for v in batching["per_bucket"].values()]
+    assert any(s["action"] == "start" and s["reason"] == "learned" for s in starts)
+
+
+def test_engine_death_rebuilds_the_engine_and_retries_the_rows(tiny_model, tmp_path):
+    from pipeline.dev.corpus import write_corpus
+
+    corpus = write_corpus(tmp_path / "c.parquet", rows=200, seed=5)
+    run = small_kv(tiny_model, corpus, tmp_path / "out",
+                   "debug.inject_oom_at_batch=2", "debug.inject_oom_kind=engine_death")
+    assert_nothing_lost(run)
+    rebuilds = run.report["engine"]["actors"][0]["rebuilds"]
+    assert len(rebuilds) == 1 and "EngineDeadError" in rebuilds[0]["reason"]
+    before, after = rebuilds[0]["before"], rebuilds[0]["after"]
+    assert after["max_num_seqs"] == before["max_num_seqs"] // 2
+    assert after["gpu_memory_utilization"] < before["gpu_memory_utilization"]
