@@ -219,6 +219,33 @@ class VLLMEngine:
         self.kv_cache_tokens: int | None = (
             cache.num_gpu_blocks * cache.block_size if cache.num_gpu_blocks else None
         )
+        self._watch_for_death()
+
+    def _watch_for_death(self) -> None:
+        """Turn a silently dead engine core into an error instead of a hang.
+
+        When the engine core process is killed outright (SIGKILL, the kernel's
+        OOM killer) it sends no last word. vLLM's monitor marks the client dead
+        and stops its output thread, but a `step()` already waiting on the
+        output queue waits forever. This thread puts EngineDeadError on that
+        queue, so the waiting step raises and the feeder can rebuild.
+        """
+        core = self._engine.engine_core
+        resources = getattr(core, "resources", None)
+        outputs = getattr(core, "outputs_queue", None)
+        if resources is None or outputs is None:  # in-process engine core: nothing to watch
+            return
+
+        def watch() -> None:
+            from vllm.v1.engine.exceptions import EngineDeadError
+
+            while self._engine is not None and self._engine.engine_core is core:
+                if resources.engine_dead:
+                    outputs.put_nowait(EngineDeadError())
+                    return
+                time.sleep(0.2)
+
+        threading.Thread(target=watch, daemon=True, name="EngineDeathWatch").start()
 
     def rebuild(self, reason: str) -> None:
         """Replace a dead or out-of-memory engine with one that asks for less:

@@ -41,7 +41,9 @@ def run_cli(job: Path, profile: Path, *args: str) -> subprocess.CompletedProcess
 
 
 def read_run(output: Path, corpus_path: Path, result: subprocess.CompletedProcess) -> JobRun:
-    return read_run(output, corpus_path, result)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((output / "_report.json").read_text())
+    return JobRun(pq.read_table(corpus_path), output, result, report, pq.read_table(output))
 
 
 @pytest.fixture(scope="session")
