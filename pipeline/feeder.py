@@ -27,7 +27,7 @@ from typing import Any
 from pipeline.batching import BatchPolicy
 from pipeline.config import DebugConfig, SamplingConfig
 from pipeline.controller import Observation
-from pipeline.engine import GAUGE_INTERVAL_S, Completion, VLLMEngine, is_engine_oom
+from pipeline.engine import Completion, VLLMEngine, is_engine_oom
 from pipeline.memory import MemoryProbe
 
 
@@ -83,7 +83,8 @@ class _InFlight:
 class FeederTotals:
     """Across every call of one actor: what the busy fraction is made of."""
 
-    busy_s: float = 0.0
+    busy_s: float = 0.0  # time with at least one request in flight
+    step_s: float = 0.0  # time inside engine steps (the rest of busy_s is this loop's own work)
     first_start: float | None = None
     last_end: float | None = None
     windows: int = 0
@@ -136,13 +137,13 @@ class EngineFeeder:
         in_flight: dict[str, _InFlight] = {}
         in_flight_cost = 0
         steps = output_tokens = rejected = 0
-        busy_s = 0.0
+        busy_s = step_s = 0.0
         peak_pressure = peak_kv = 0.0
         preempt_start = self._preemptions()
         before = self.policy.trajectory(bucket)
         trajectory_from, backoffs_from = len(before["steps"]), len(before["backoffs"])
         window = self._open_window(bucket, tokens_per_row)
-        last_sample = 0.0
+        mark = time.monotonic()  # since when requests have been in flight
 
         while queue or in_flight:
             # 1. Admit rows while the budget allows (always at least one in flight).
@@ -166,6 +167,7 @@ class EngineFeeder:
             if not queue and len(in_flight) < max_rows:
                 window.drained = True
             if not in_flight:
+                mark = time.monotonic()
                 continue
 
             # 2. One engine step; an out-of-memory puts the rows in flight back.
@@ -192,9 +194,12 @@ class EngineFeeder:
                     for v in reversed(victims):
                         queue.appendleft((v.position, prompts[v.position], v.cost))
                 window = self._open_window(bucket, tokens_per_row)
+                mark = time.monotonic()  # recovery time is not busy time
                 continue
             now = time.monotonic()
-            busy_s += now - step_start
+            step_s += now - step_start
+            busy_s += now - mark
+            mark = now
             steps += 1
 
             # 3. Completions free their share of the budget.
@@ -207,13 +212,11 @@ class EngineFeeder:
                 window.output_tokens += c.output_tokens
                 window.cost += f.cost
 
-            # 4. Pressure is sampled mid-flight (KV usage reads 0 once requests finish).
-            if now - last_sample >= GAUGE_INTERVAL_S or window.peak_pressure == 0.0:
-                reading = self.probe.read()
-                window.peak_pressure = max(window.peak_pressure, reading.pressure)
-                peak_pressure = max(peak_pressure, reading.pressure)
-                peak_kv = max(peak_kv, reading.kv_cache or 0.0)
-                last_sample = now
+            # 4. Pressure, read after every step: KV usage reads 0 once requests finish.
+            reading = self.probe.read()
+            window.peak_pressure = max(window.peak_pressure, reading.pressure)
+            peak_pressure = max(peak_pressure, reading.pressure)
+            peak_kv = max(peak_kv, reading.kv_cache or 0.0)
 
             # 5. A window closes once it has completed the rows it admitted.
             if window.done >= window.rows_target or not (queue or in_flight):
@@ -223,6 +226,7 @@ class EngineFeeder:
 
         ended = time.monotonic()
         self.totals.busy_s += busy_s
+        self.totals.step_s += step_s
         self.totals.last_end = ended
         traj = self.policy.trajectory(bucket)
         record = {
@@ -230,6 +234,7 @@ class EngineFeeder:
             "rows": len(rows),
             "wall_s": round(ended - started, 4),
             "busy_s": round(busy_s, 4),
+            "step_s": round(step_s, 4),
             "output_tokens": output_tokens,
             "steps": steps,
             "peak_pressure": round(peak_pressure, 4),

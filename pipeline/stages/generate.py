@@ -92,6 +92,7 @@ class GenerateStage:
         return {
             "actor": self.actor,
             "busy_s": round(t.busy_s, 4),
+            "step_s": round(t.step_s, 4),
             "active_s": round((t.last_end or 0) - (t.first_start or 0), 4),
             "busy_fraction": t.busy_fraction(),
             "windows": t.windows,

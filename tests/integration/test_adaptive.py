@@ -69,9 +69,7 @@ def test_pressure_stays_near_the_target_after_warm_up(adaptive_run):
             continue  # a bucket too small to finish warming up (a handful of long rows)
         warmed += 1
         after = [s["pressure"] for s in steps[first:]]
-        assert max(after) <= high, (name, after)
-        inside = sum(low <= p <= high for p in after) / len(after)
-        assert inside >= 0.8, (name, after)
+        assert all(low <= p <= high for p in after), (name, low, high, after)
     assert warmed >= 2  # le256 and le512 hold hundreds of rows each
 
 

@@ -46,6 +46,7 @@ def test_one_completion_per_prompt_within_max_tokens(engine):
     assert all(c.error is None and 1 <= c.output_tokens <= 8 and c.latency_s > 0 for c in out)
     assert stats.rows == 12 and stats.output_tokens == sum(c.output_tokens for c in out)
     assert stats.steps >= max(c.output_tokens for c in out)
+    assert 0.0 < stats.peak_kv_cache_usage <= 1.0  # read from the step stats while requests ran
 
 
 def test_greedy_is_deterministic(engine):

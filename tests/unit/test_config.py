@@ -33,10 +33,10 @@ def test_bad_yaml_names_file_and_line(tmp_path):
 
 
 def test_unknown_key_names_file_and_field(tmp_path):
-    profile = write(tmp_path, "p.yaml", LOCAL.read_text().replace("rows_per_call: 64", "rows_per_cal: 64"))
+    profile = write(tmp_path, "p.yaml", LOCAL.read_text().replace("memory_target: 0.90", "memory_targt: 0.90"))
     with pytest.raises(ConfigError) as e:
         load_run_config(JOB, profile)
-    assert f"{profile}: batching.rows_per_cal: unknown field" in str(e.value)
+    assert f"{profile}: batching.memory_targt: unknown field" in str(e.value)
 
 
 def test_wrong_type_names_file_and_field(tmp_path):
