@@ -24,7 +24,14 @@ def plot_trajectories(report: dict[str, Any]) -> bytes | None:
             continue
         t = [s["t"] for s in steps]
         (line,) = rows_ax.step(t, [s["rows"] for s in steps], where="post", label=name)
-        p_ax.plot(t, [s["pressure"] for s in steps], marker=".", color=line.get_color(), label=name)
+        # The start step has no reading yet; drain windows (the bucket's last rows) are hollow.
+        seen = [s for s in steps if s["action"] != "start"]
+        p_ax.plot([s["t"] for s in seen], [s["pressure"] for s in seen], color=line.get_color(), label=name)
+        drain = [s for s in seen if s.get("reason") == "drain"]
+        p_ax.scatter([s["t"] for s in seen if s not in drain], [s["pressure"] for s in seen if s not in drain],
+                     s=10, color=line.get_color())
+        p_ax.scatter([s["t"] for s in drain], [s["pressure"] for s in drain], s=18,
+                     facecolors="none", edgecolors=line.get_color())
         for back in b["backoffs"]:
             rows_ax.axvline(back["t"], color=line.get_color(), linestyle=":", alpha=0.6)
     target = report["batching"].get("memory_target")
@@ -34,7 +41,7 @@ def plot_trajectories(report: dict[str, Any]) -> bytes | None:
     rows_ax.set_yscale("log", base=2)
     rows_ax.set_title(
         f"{report['job']} · {report['batching']['policy']} batching · run {report['run_id']}"
-        "  (dotted: back-offs)"
+        "  (dotted: back-offs; hollow: drain windows)"
     )
     p_ax.set_ylabel("peak memory pressure")
     p_ax.set_xlabel("seconds since the engine's first batch")
