@@ -56,7 +56,8 @@ class FixedBatchPolicy:
     def observe(self, bucket: str, obs: Observation) -> None:
         self._seen.setdefault(bucket, []).append(
             {"t": round(time.monotonic() - self._t0, 4), "budget": None, "rows": self.rows_per_call, "pressure": round(obs.pressure, 4),
-             "throughput": round(obs.throughput, 2), "preemptions": obs.preemptions, "oom": obs.oom}
+             "throughput": round(obs.throughput, 2), "preemptions": obs.preemptions, "oom": obs.oom,
+             "action": "fixed", "reason": "drain" if obs.drained else None}
         )
 
     def trajectory(self, bucket: str) -> dict[str, Any]:

@@ -25,3 +25,20 @@ def test_grouping_off_takes_arrival_order():
 def test_only_eligible_rows_are_called():
     assert bucket_runs([1, 3], [0, 0, 0, 0], "global", NAMES) == [("le128", [1, 3])]
     assert bucket_runs([], [], "global", NAMES) == []
+
+
+def test_both_policies_trajectories_plot():
+    """Fixed and adaptive trajectories have the same shape for the report and plot."""
+    from pipeline.batching import FixedBatchPolicy
+    from pipeline.controller import BatchSizeController, Observation
+    from pipeline.plots import plot_trajectories
+
+    for policy in (FixedBatchPolicy(8), BatchSizeController(initial_budget_tokens=1000)):
+        policy.rows_for("le128", 100)
+        policy.observe("le128", Observation(pressure=0.3, throughput=50.0, rows=8))
+        policy.observe("le128", Observation(pressure=0.1, throughput=20.0, rows=3, drained=True))
+        traj = policy.trajectory("le128")
+        report = {"job": "j", "run_id": "r", "batching": {
+            "policy": "x", "memory_target": 0.9,
+            "per_bucket": {"le128": {"trajectory": traj["steps"], "backoffs": traj["backoffs"]}}}}
+        assert plot_trajectories(report)[:4] == b"\x89PNG"
