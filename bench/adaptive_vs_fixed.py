@@ -62,7 +62,7 @@ def main() -> None:
                     "wall_s": r["wall_s"], "engine_s": r["engine_s"],
                     "output_tokens_per_s": r["output_tokens_per_s"],
                     "engine_output_tokens_per_s": r["engine_output_tokens_per_s"],
-                    "busy_fraction": r["busy_fraction"], "backoffs": r["batching"]["backoffs"],
+                    "busy_fraction": r["busy_fraction"], "fill": r["fill"], "backoffs": r["batching"]["backoffs"],
                     "preemptions": sum(b["preemptions"] for b in per_bucket),
                     "peak_pressure": max((b["peak_pressure"] for b in per_bucket), default=0.0),
                 })
@@ -74,13 +74,13 @@ def main() -> None:
     lines = [
         f"# Adaptive vs fixed batch sizes ({args.rows} rows, sample corpus, tiny model, vLLM CPU backend)",
         "",
-        "| profile | system | ok rows | wall s | engine s | out tok/s (wall) | out tok/s (engine) | busy | back-offs | preemptions | peak pressure |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| profile | system | ok rows | wall s | engine s | out tok/s (wall) | out tok/s (engine) | busy | fill | back-offs | preemptions | peak pressure |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for x in rows:
         lines.append(
             f"| {x['profile']} | {x['system']} | {x['ok']} | {x['wall_s']:.1f} | {x['engine_s']:.2f} | "
-            f"{x['output_tokens_per_s']:.0f} | {x['engine_output_tokens_per_s']:.0f} | {x['busy_fraction']:.3f} | "
+            f"{x['output_tokens_per_s']:.0f} | {x['engine_output_tokens_per_s']:.0f} | {x['busy_fraction']:.3f} | {x['fill']:.3f} | "
             f"{x['backoffs']} | {x['preemptions']} | {x['peak_pressure']:.2f} |"
         )
     Path(args.out + ".md").write_text("\n".join(lines) + "\n")

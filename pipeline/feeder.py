@@ -138,6 +138,10 @@ class EngineFeeder:
         in_flight_cost = 0
         steps = output_tokens = rejected = 0
         busy_s = step_s = 0.0
+        # Fill: rows in flight over rows allowed, weighted by time. It is what
+        # the busy fraction cannot see: a drained batch's lone straggler keeps
+        # the engine "busy" at a fraction of its batch.
+        filled = allowed = 0.0
         peak_pressure = peak_kv = 0.0
         preempt_start = self._preemptions()
         before = self.policy.trajectory(bucket)
@@ -199,6 +203,8 @@ class EngineFeeder:
             now = time.monotonic()
             step_s += now - step_start
             busy_s += now - mark
+            filled += len(in_flight) * (now - mark)
+            allowed += min(max_rows, len(in_flight) + len(queue)) * (now - mark)
             mark = now
             steps += 1
 
@@ -235,6 +241,7 @@ class EngineFeeder:
             "wall_s": round(ended - started, 4),
             "busy_s": round(busy_s, 4),
             "step_s": round(step_s, 4),
+            "fill": round(filled / allowed, 4) if allowed > 0 else None,
             "output_tokens": output_tokens,
             "steps": steps,
             "peak_pressure": round(peak_pressure, 4),

@@ -62,6 +62,12 @@ def actor_summaries(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return list(latest.values())
 
 
+def _weighted(pairs: list[tuple[float | None, float]]) -> float | None:
+    pairs = [(v, w) for v, w in pairs if v is not None and w > 0]
+    total = sum(w for _, w in pairs)
+    return round(sum(v * w for v, w in pairs) / total, 4) if total > 0 else None
+
+
 def bucket_batching(calls: list[dict[str, Any]], order: tuple[str, ...]) -> dict[str, Any]:
     """Per bucket: the batch-size trajectory, back-offs, peak pressure, busy fraction."""
     out: dict[str, Any] = {}
@@ -80,6 +86,8 @@ def bucket_batching(calls: list[dict[str, Any]], order: tuple[str, ...]) -> dict
             "peak_pressure": max((c.get("peak_pressure", 0.0) for c in mine), default=0.0),
             "preemptions": sum(c.get("preemptions", 0) for c in mine),
             "busy_fraction": round(busy / wall, 4) if wall > 0 else None,
+            # Time-weighted rows in flight over rows the policy allowed (and the queue could supply).
+            "fill": _weighted([(c.get("fill"), c.get("busy_s", 0.0)) for c in mine]),
         }
     return out
 
@@ -125,6 +133,7 @@ def build_report(
             round(busy_s / sum(a["active_s"] for a in actors), 4)
             if actors and sum(a["active_s"] for a in actors) > 0 else None
         ),
+        "fill": _weighted([(c.get("fill"), c.get("busy_s", 0.0)) for c in calls]),
         "batching": {
             "policy": batching.policy,
             "feed": batching.feed,

@@ -66,5 +66,6 @@ def job_run(tmp_path_factory, tiny_model) -> JobRun:
         "--set", "batching.rows_per_call=16",
         "--set", "batching.generate_batch_rows=48",
         "--set", "engine.max_model_len=8192",
+        "--set", "batching.learned_limits=null",  # no state carried between test runs
     )
     return read_run(output, corpus_path, result)

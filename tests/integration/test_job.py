@@ -84,3 +84,31 @@ def test_cli_prints_a_summary(job_run):
     out = job_run.result.stdout
     assert "output tokens/s" in out and f"{ROWS} of {ROWS}" in out
     assert str(job_run.output) in out.replace("\n", "")
+
+
+def test_fixed_batches_streaming_grouping(tiny_model, tmp_path):
+    """The other paths through the generate stage, on real vLLM: a fixed batch
+    size run as classic batches (drain), and per-batch bucket grouping with no
+    global sort."""
+    from tests.conftest import REPO
+    from tests.integration.conftest import read_run, run_cli
+    from pipeline.dev.corpus import write_corpus
+
+    corpus = write_corpus(tmp_path / "c.parquet", rows=120, seed=3)
+    run = read_run(tmp_path / "out", corpus, run_cli(
+        REPO / "jobs/nightly_summarize.yaml", REPO / "conf/local.yaml",
+        "--input", str(corpus), "--output", str(tmp_path / "out"),
+        "--set", f"model.name={tiny_model}", "--set", "sampling.max_new_tokens=8",
+        "--set", "batching.policy=fixed", "--set", "batching.rows_per_call=8",
+        "--set", "batching.feed=drain", "--set", "batching.bucket_grouping=per_batch",
+        "--set", "batching.generate_batch_rows=40", "--set", "batching.learned_limits=null",
+    ))
+    assert Counter(run.written.column("id").to_pylist()) == Counter(run.corpus.column("id").to_pylist())
+    assert run.report["status"] == {"ok": 120}
+    assert run.report["batching"]["policy"] == "fixed" and run.report["batching"]["feed"] == "drain"
+    for call in run.report["engine_calls"]:
+        assert call["buckets"] == [call["bucket"]]
+    # Streaming: each 40-row batch is split by bucket, so there are more calls than buckets.
+    assert len(run.report["engine_calls"]) > len(run.report["buckets"])
+    for b in run.report["batching"]["per_bucket"].values():
+        assert all(s["rows"] == 8 for s in b["trajectory"])
