@@ -16,9 +16,11 @@ from pipeline.inputs import InputError
 console = Console(stderr=True)
 
 # Exit codes: 0 the job ran (rows may still carry per-row errors); 2 the
-# config or input is wrong and nothing ran; 1 anything else went wrong.
+# config or input is wrong and nothing ran; 1 anything else went wrong;
+# 3 the job ran but more rows ended in `error` than --fail-on-error-rate allows.
 EXIT_BAD_CONFIG = 2
 EXIT_FAILED = 1
+EXIT_ERROR_RATE = 3
 
 
 def _fail(code: int, message: str) -> None:
@@ -76,19 +78,30 @@ def main() -> None:
 @click.option("--output", "output_path", help="Override the job's output folder.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override any config field by its dotted name, e.g. --set sampling.max_new_tokens=32 "
-                   "or --set batching.rows_per_call=128. Repeatable.")
+                   "or --set batching.memory_target=0.85. Repeatable.")
+@click.option("--on-bad-file", type=click.Choice(["fail", "skip"]), default=None,
+              help="A corrupt file, or one missing the id or text column: stop (default) or skip it "
+                   "and list it in the report.")
+@click.option("--fail-on-error-rate", type=click.FloatRange(0.0, 1.0), default=None, metavar="X",
+              help="Exit 3 when more than this share of rows end with status error (e.g. 0.01).")
 def run(job: Path, profile: Path, input_path: str | None, output_path: str | None,
-        overrides: tuple[str, ...]) -> None:
+        overrides: tuple[str, ...], on_bad_file: str | None, fail_on_error_rate: float | None) -> None:
     """Run JOB over its input and write summaries to its output folder.
 
     Output: Parquet parts (the input columns, then summary, prompt_tokens,
-    output_tokens, bucket, status, error, latency_s, model, run_id) and
-    _report.json. Exit status: 0 when the job ran, even if some rows have
-    status `error`; 2 when the config or input is wrong (nothing ran); 1 on
-    any other failure. The last line says why.
+    output_tokens, truncated, original_tokens, chunks, bucket, status, error,
+    notes, latency_s, model, run_id) and _report.json. Every input row comes
+    out exactly once, with status ok, error or skipped_too_long.
+
+    Exit status: 0 when the job ran, even if some rows have status `error`; 2
+    when the config or input is wrong (nothing ran); 3 when the share of error
+    rows exceeds --fail-on-error-rate; 1 on any other failure. The last line
+    says why.
     """
     from pipeline.runner import run_job
 
+    if on_bad_file is not None:
+        overrides = (*overrides, f"input.on_bad_file={on_bad_file}")
     try:
         config = load_run_config(job, profile, overrides, input_path, output_path)
         report = run_job(config)
@@ -100,6 +113,10 @@ def run(job: Path, profile: Path, input_path: str | None, output_path: str | Non
         console.print_exception(max_frames=5)
         _fail(EXIT_FAILED, f"{type(e).__name__}: {e}")
     print_summary(report)
+    errors = report["status"].get("error", 0)
+    if fail_on_error_rate is not None and report["rows_out"] and errors / report["rows_out"] > fail_on_error_rate:
+        _fail(EXIT_ERROR_RATE, f"{errors} of {report['rows_out']} rows ended in error "
+                               f"({errors / report['rows_out']:.2%}), above --fail-on-error-rate {fail_on_error_rate}")
 
 
 @main.group()

@@ -33,6 +33,9 @@ class InputConfig(_Section):
     path: str = Field(description="Parquet file, folder or glob; local path or URI (s3://, gs://).")
     id_column: str = Field("id", description="Column holding each row's unique id.")
     text_column: str = Field("text", description="Column holding the document text.")
+    on_bad_file: Literal["fail", "skip"] = Field(
+        "fail", description="A file that is unreadable or lacks the columns: stop the run, or skip it and report it."
+    )
 
 
 class OutputConfig(_Section):
@@ -57,12 +60,30 @@ class SamplingConfig(_Section):
     seed: int | None = Field(0, description="Sampling seed; the same seed gives the same text.")
 
 
+class LengthConfig(_Section):
+    policy: Literal["truncate", "chunk", "skip"] = Field(
+        "truncate",
+        description="Text too long for the model: truncate it (flagged), summarize it in windows "
+        "and then summarize the summaries (chunk), or give the row status skipped_too_long (skip).",
+    )
+    max_input_tokens: int | None = Field(
+        None, gt=0, description="Cap on the text's tokens, below what the context allows."
+    )
+    keep: Literal["head", "head_tail"] = Field("head", description="What truncation keeps.")
+    outlier_percentile: float | None = Field(
+        None, gt=50.0, lt=100.0,
+        description="Also cap at this percentile of the corpus's prompt lengths (e.g. 99.5).",
+    )
+    chunk_overlap: int = Field(64, ge=0, description="Tokens shared by consecutive windows.")
+
+
 class JobConfig(_Section):
     name: str = Field(description="Job name, used in the report.")
     input: InputConfig
     output: OutputConfig
     prompt: PromptConfig
     sampling: SamplingConfig = SamplingConfig()
+    length: LengthConfig = LengthConfig()
 
 
 # --- the profile: where and how it runs ---------------------------------------

@@ -12,7 +12,9 @@ Out-of-memory during generation (a CUDA OOM in-process, or the engine core
 dying, which is how an OOM in vLLM's separate engine process surfaces) aborts
 the requests in flight, puts their rows back at the head of the queue, halves
 the budget through the policy, and, if the engine died, rebuilds it smaller.
-A row that runs out of memory alone gets an error; it is never dropped.
+Any other failure of a step is blamed on one request: the rows in flight are
+retried in halves (bisection) until the culprit runs alone. A row that fails
+alone gets an error; no row is ever dropped.
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ class FeederTotals:
     last_end: float | None = None
     windows: int = 0
     oom_retries: int = 0
+    bisections: int = 0
 
     def busy_fraction(self) -> float | None:
         if self.first_start is None or self.last_end is None or self.last_end <= self.first_start:
@@ -148,11 +151,15 @@ class EngineFeeder:
         trajectory_from, backoffs_from = len(before["steps"]), len(before["backoffs"])
         window = self._open_window(bucket, tokens_per_row)
         mark = time.monotonic()  # since when requests have been in flight
+        suspects: set[int] = set()  # rows of a call that failed, being bisected
+        isolate = 0
 
         while queue or in_flight:
             # 1. Admit rows while the budget allows (always at least one in flight).
             budget = self.policy.budget(bucket, tokens_per_row)
             max_rows = self.policy.rows_for(bucket, tokens_per_row)
+            if suspects:  # bisecting a failed call: at most half the last failing group
+                max_rows = min(max_rows, isolate)
             admit = self.feed == "continuous" or not in_flight
             while admit and queue and len(in_flight) < max_rows and (
                 not in_flight or in_flight_cost + queue[0][2] <= budget
@@ -180,20 +187,28 @@ class EngineFeeder:
                 self.faults.check(window.number, self.engine)
                 finished = self.engine.step()
             except Exception as e:
-                if not is_engine_oom(e):
-                    raise
+                oom = is_engine_oom(e)
                 victims = sorted(in_flight.values(), key=lambda f: f.position)
                 self._recover(e, [rid for rid in in_flight])
                 in_flight.clear()
                 in_flight_cost = 0
-                self.totals.oom_retries += 1
-                self._close_window(bucket, window, tokens_per_row, oom=True)
+                if oom:
+                    self.totals.oom_retries += 1
+                    self._close_window(bucket, window, tokens_per_row, oom=True)
+                else:
+                    # Any other failure: one request may be poisoning the call.
+                    # Bisect: retry the rows in halves until the culprit runs alone.
+                    self.totals.bisections += 1
+                    suspects = {v.position for v in victims}
+                    isolate = max(1, len(victims) // 2)
                 if len(victims) == 1:
                     v = victims[0]
+                    reason = "out of memory with this row alone in the engine" if oom else "the engine failed on this row alone"
                     results[v.position] = Completion(
                         None, 0, time.monotonic() - v.first_submitted,
-                        error=f"out of memory with this row alone in the engine: {type(e).__name__}: {e}",
+                        error=f"{reason}: {type(e).__name__}: {e}",
                     )
+                    suspects.discard(v.position)
                 else:
                     for v in reversed(victims):
                         queue.appendleft((v.position, prompts[v.position], v.cost))
@@ -213,6 +228,7 @@ class EngineFeeder:
                 f = in_flight.pop(request_id)
                 in_flight_cost -= f.cost
                 results[f.position] = Completion(c.text, c.output_tokens, now - f.first_submitted, c.finish_reason)
+                suspects.discard(f.position)
                 output_tokens += c.output_tokens
                 window.done += 1
                 window.output_tokens += c.output_tokens
@@ -279,7 +295,7 @@ class EngineFeeder:
         )
 
     def _recover(self, error: Exception, request_ids: list[str]) -> None:
-        """Make the engine usable again after an out-of-memory."""
+        """Make the engine usable again after a failed step."""
         if type(error).__name__ == "EngineDeadError":
             self.engine.rebuild(f"{type(error).__name__}: {error}")
             self.params = self.engine.sampling_params(self.sampling)

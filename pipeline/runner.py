@@ -17,11 +17,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from pipeline import learned, schema
 from pipeline.bucketing import LengthBucketer
 from pipeline.config import RunConfig
 from pipeline.engine import engine_kwargs
-from pipeline.inputs import check_inputs
+from pipeline.inputs import InputError, check_inputs, duplicate_ids
 from pipeline.plots import plot_trajectories
 from pipeline.report import build_report, write_beside, write_report
 from pipeline.stages.prepare import context_limit
@@ -63,6 +66,29 @@ def init_ray(config: RunConfig) -> None:
         ray.init(num_cpus=hw.ray_num_cpus, include_dashboard=False, runtime_env={"env_vars": env})
 
 
+def corpus_percentile_cap(config: RunConfig, inputs: Any, prepare: dict[str, Any]) -> int:
+    """The text-token cap at `length.outlier_percentile` of the corpus's prompt
+    lengths, from a tokenizing pass over it, so one giant document does not
+    set a bucket's shape. The cap applies to the text, so the template's
+    share (its median) is taken off the prompt-length percentile."""
+    import numpy as np
+    import ray
+    import ray.data
+
+    from pipeline.stages.prepare import PrepareStage
+
+    ds = ray.data.read_parquet(inputs.paths, filesystem=inputs.filesystem).map_batches(
+        PrepareStage, fn_constructor_kwargs=prepare, batch_size=config.profile.batching.prepare_batch_rows,
+        batch_format="pyarrow", concurrency=config.profile.hardware.prepare_actors, num_cpus=1,
+    ).select_columns(["prompt_tokens", "original_tokens", "status"])
+    table = pa.concat_tables(ray.get(ds.to_arrow_refs()))
+    measured = pc.if_else(pc.is_null(table.column("original_tokens")), table.column("prompt_tokens"),
+                          table.column("original_tokens")).drop_null().to_numpy()
+    if len(measured) == 0:
+        raise InputError(f"{config.job.input.path}: no row could be tokenized to take a percentile of")
+    return max(1, int(np.percentile(measured, config.job.length.outlier_percentile)))
+
+
 def run_job(config: RunConfig, run_id: str | None = None) -> dict[str, Any]:
     """Run the job end to end and return its report (also written as `_report.json`)."""
     import ray.data
@@ -78,8 +104,14 @@ def run_job(config: RunConfig, run_id: str | None = None) -> dict[str, Any]:
 
     # 1. Checks that need no model and no cluster.
     inputs = check_inputs(
-        job.input.path, job.input.id_column, job.input.text_column, job.prompt.fields()
+        job.input.path, job.input.id_column, job.input.text_column, job.prompt.fields(), job.input.on_bad_file
     )
+    repeated, examples = duplicate_ids(inputs, job.input.id_column)
+    if repeated:
+        raise InputError(
+            f"{job.input.path}: {repeated} ids occur more than once in column {job.input.id_column!r}, "
+            f"e.g. {', '.join(map(repr, examples))}; ids must be unique so every row can be accounted for"
+        )
     out_schema = schema.output_schema(inputs.schema, job.input.id_column, job.input.text_column)
     model_path = resolve_model(config)
     max_model_len = context_limit(model_path, profile.engine.max_model_len)
@@ -94,10 +126,15 @@ def run_job(config: RunConfig, run_id: str | None = None) -> dict[str, Any]:
     # 2. The dataset: nothing runs until the write pulls it.
     init_ray(config)
     hw, batching = profile.hardware, profile.batching
+    prepare = {"config": config, "model_path": model_path, "max_model_len": max_model_len}
+    percentile_cap = None
+    if job.length.outlier_percentile is not None:
+        percentile_cap = corpus_percentile_cap(config, inputs, prepare)
+        prepare["cap_tokens"] = percentile_cap
     ds = ray.data.read_parquet(inputs.paths, filesystem=inputs.filesystem)
     ds = ds.map_batches(
         PrepareStage,
-        fn_constructor_kwargs={"config": config, "model_path": model_path, "max_model_len": max_model_len},
+        fn_constructor_kwargs=prepare,
         batch_size=batching.prepare_batch_rows,
         batch_format="pyarrow",
         concurrency=hw.prepare_actors,
@@ -133,6 +170,9 @@ def run_job(config: RunConfig, run_id: str | None = None) -> dict[str, Any]:
         engine_settings=engine_kwargs(model_path, profile.engine, job.sampling.seed),
         bucket_order=bucketer.names,
     )
+    report["input_files"] = {"read": len(inputs.paths), "skipped": inputs.skipped}
+    report["length"] = {**job.length.model_dump(), "percentile_cap_tokens": percentile_cap,
+                        "truncated": sink.summary["truncated"], "chunked": sink.summary["chunked"]}
     report["batching"]["learned_limits"] = {"path": profile.batching.learned_limits, "key": limits_key,
                                             "started_from": start_limits}
     if profile.batching.learned_limits and profile.batching.policy == "adaptive":

@@ -16,9 +16,12 @@ import pyarrow as pa
 class Status(StrEnum):
     """What happened to a row. Every input row gets exactly one."""
 
+    # Generated. `truncated` and `chunks` say whether the whole text was read at once.
     OK = "ok"
     # The row could not be processed: the `error` column says why.
     ERROR = "error"
+    # Longer than the model's context under `length.policy: skip`.
+    SKIPPED_TOO_LONG = "skipped_too_long"
 
 
 # Columns the pipeline adds to every output row, in output order.
@@ -26,9 +29,13 @@ GENERATED_FIELDS: tuple[pa.Field, ...] = (
     pa.field("summary", pa.string()),
     pa.field("prompt_tokens", pa.int32()),
     pa.field("output_tokens", pa.int32()),
+    pa.field("truncated", pa.bool_(), nullable=False),
+    pa.field("original_tokens", pa.int32()),  # the prompt before truncation or chunking
+    pa.field("chunks", pa.int32()),  # windows summarized, under `length.policy: chunk`
     pa.field("bucket", pa.string()),
     pa.field("status", pa.string(), nullable=False),
     pa.field("error", pa.string()),
+    pa.field("notes", pa.string()),  # what was done to the row's input, e.g. binary text decoded
     pa.field("latency_s", pa.float64()),
     pa.field("model", pa.string()),
     pa.field("run_id", pa.string(), nullable=False),
@@ -38,6 +45,7 @@ GENERATED_COLUMNS: tuple[str, ...] = tuple(f.name for f in GENERATED_FIELDS)
 # Working columns that travel between stages and never reach the output. The
 # leading underscore marks them; `output_schema` refuses input columns that use it.
 PROMPT_TOKEN_IDS = "_prompt_token_ids"
+CHUNK_TEXTS = "_chunk_texts"  # under `length.policy: chunk`: the windows' text
 BUCKET_INDEX = "_bucket_index"
 ENGINE_CALL = "_engine_call"
 INTERNAL_PREFIX = "_"

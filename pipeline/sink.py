@@ -101,7 +101,8 @@ def _block_stats(table: pa.Table) -> dict[str, Any]:
     per_bucket: dict[str, list[int]] = defaultdict(list)
     call_rows: dict[str, dict[str, Any]] = {}
     for s, b, p, call in zip(status, buckets, prompt_tokens, calls):
-        per_bucket[b].append(p)
+        if b is not None:  # rows that failed before tokenizing have no bucket
+            per_bucket[b].append(p)
         if call is not None:
             c = call_rows.setdefault(call, {"buckets": [], "min_prompt_tokens": p, "max_prompt_tokens": p, "rows_written": 0})
             if b not in c["buckets"]:
@@ -109,12 +110,14 @@ def _block_stats(table: pa.Table) -> dict[str, Any]:
             c["min_prompt_tokens"] = min(c["min_prompt_tokens"], p)
             c["max_prompt_tokens"] = max(c["max_prompt_tokens"], p)
             c["rows_written"] += 1
-    call_records = [json.loads(x) for x in table.column(ENGINE_CALL_STATS).to_pylist() if x]
+    call_records = [r for x in table.column(ENGINE_CALL_STATS).to_pylist() if x for r in json.loads(x)]
     return {
         "rows": table.num_rows,
         "status": dict(Counter(status)),
         "prompt_tokens_by_bucket": dict(per_bucket),
-        "prompt_tokens": sum(prompt_tokens),
+        "prompt_tokens": sum(p or 0 for p in prompt_tokens),
+        "truncated": sum(bool(x) for x in table.column("truncated").to_pylist()),
+        "chunked": sum(x is not None for x in table.column("chunks").to_pylist()),
         "output_tokens": sum(output_tokens),
         "call_rows": call_rows,
         "call_records": call_records,
@@ -125,7 +128,7 @@ def merge_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
     """Fold per-task stats into one: counts add, lists concatenate, calls merge by id."""
     merged: dict[str, Any] = {
         "files": [], "rows": 0, "status": Counter(), "prompt_tokens_by_bucket": defaultdict(list),
-        "prompt_tokens": 0, "output_tokens": 0, "calls": {},
+        "prompt_tokens": 0, "output_tokens": 0, "truncated": 0, "chunked": 0, "calls": {},
     }
     records: dict[str, dict[str, Any]] = {}
     for part in parts:
@@ -136,6 +139,8 @@ def merge_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
         merged["status"].update(part["status"])
         merged["prompt_tokens"] += part["prompt_tokens"]
         merged["output_tokens"] += part["output_tokens"]
+        merged["truncated"] += part["truncated"]
+        merged["chunked"] += part["chunked"]
         for b, values in part["prompt_tokens_by_bucket"].items():
             merged["prompt_tokens_by_bucket"][b].extend(values)
         for r in part["call_records"]:

@@ -3,8 +3,10 @@
 Input: prepared rows (see `prepare`). Output: the same rows with `summary`,
 `output_tokens`, `latency_s`, `model` and `run_id` filled in, and two working
 columns for the report: `_engine_call` (which engine call served the row) and
-`_engine_call_stats` (that call's record as JSON, on its first row only).
-Rows that arrive with status `error` pass through untouched.
+`_engine_call_stats` (the batch's engine-call records as a JSON list, on its
+first row). Rows that arrive with another status than `ok` pass through
+untouched. Rows that arrive as windows (`length.policy: chunk`) are
+summarized map-reduce: each window, then the joined summaries, recursively.
 
 An *engine call* is one bucket's run of rows within a batch: the feeder keeps
 the engine full with them, admitting rows as others finish, and never mixes
@@ -25,11 +27,14 @@ from pipeline.batching import BatchPolicy, FixedBatchPolicy
 from pipeline.bucketing import LengthBucketer
 from pipeline.config import RunConfig
 from pipeline.controller import BatchSizeController, ControllerSettings
-from pipeline.engine import VLLMEngine
+from pipeline.engine import Completion, VLLMEngine
 from pipeline.feeder import EngineFeeder
+from pipeline.length import char_span, windows
+from pipeline.stages.prepare import PrepareStage
 from pipeline.schema import Status
 
 ENGINE_CALL_STATS = "_engine_call_stats"
+MAX_REDUCE_LEVELS = 8
 
 
 def bucket_runs(rows: list[int], buckets: list[int], grouping: str,
@@ -76,6 +81,10 @@ class GenerateStage:
         )
         self.actor = uuid.uuid4().hex[:8]
         self.calls = 0
+        self.config = config
+        self.model_path = model_path
+        self.bucketer = LengthBucketer(config.profile.batching.bucket_boundaries)
+        self.prep: PrepareStage | None = None  # tokenizer for map-reduce prompts, loaded on first need
 
     def engine_info(self) -> dict[str, Any]:
         return {
@@ -97,42 +106,107 @@ class GenerateStage:
             "busy_fraction": t.busy_fraction(),
             "windows": t.windows,
             "oom_retries": t.oom_retries,
+            "bisections": t.bisections,
             "rebuilds": self.engine.rebuilds,
             "learned": self.policy.learned_limits(),
         }
+
+    def _serve(self, bucket: str, items: list[tuple[int, list[int]]], records: list[dict[str, Any]],
+               kind: str = "rows") -> tuple[str, dict[int, Any]]:
+        served = self.feeder.serve(bucket, items)
+        call_id = f"{self.actor}-{self.calls:05d}"
+        record = {"call": call_id, "kind": kind, **served.record, "actor": self.actor_totals()}
+        if self.calls == 0:
+            record["engine"] = self.engine_info()
+        self.calls += 1
+        records.append(record)
+        return call_id, served.completions
+
+    def _summarize_chunked(self, rows: dict[int, dict[str, Any]], pieces: dict[int, list[str]],
+                           records: list[dict[str, Any]]) -> dict[int, Completion]:
+        """Map-reduce: summarize every window, then the joined summaries, level by
+        level for all chunked rows of the batch at once, until one summary is left."""
+        if self.prep is None:
+            self.prep = PrepareStage(self.config, self.model_path, self.engine.max_model_len)
+        prep = self.prep
+        done: dict[int, Completion] = {}
+        level = dict(pieces)
+        for depth in range(1, MAX_REDUCE_LEVELS + 1):
+            owners, items = [], []
+            for i, texts in level.items():
+                for text in texts:
+                    owners.append(i)
+                    items.append(prep.encode([prep.render(rows[i], text)])[0])
+            bucket = self.bucket_names[self.bucketer.index(max(len(x) for x in items))]
+            _, completions = self._serve(bucket, list(enumerate(items)), records, kind=f"chunk-level-{depth}")
+            summaries: dict[int, list[Completion]] = {}
+            for k, i in enumerate(owners):
+                summaries.setdefault(i, []).append(completions[k])
+            level = {}
+            for i, parts in summaries.items():
+                failed = next((c for c in parts if c.error is not None), None)
+                if failed is not None:
+                    done[i] = failed
+                elif len(parts) == 1:
+                    done[i] = parts[0]
+                else:
+                    combined = "\n\n".join(c.text or "" for c in parts)
+                    level[i] = self._pieces(prep, rows[i], combined)
+            if not level:
+                return done
+        for i in level:
+            done[i] = Completion(None, 0, 0.0, error=f"chunk summaries did not converge in {MAX_REDUCE_LEVELS} levels")
+        return done
+
+    def _pieces(self, prep: PrepareStage, row: dict[str, Any], text: str) -> list[str]:
+        """The joined summaries as one piece if they fit the context, else windows again."""
+        room = prep.max_prompt_tokens - len(prep.encode([prep.render(row, "")])[0])
+        ids, offsets = prep._text_tokens(text)
+        if len(ids) <= room:
+            return [text]
+        spans = windows(offsets, text, room, min(self.config.job.length.chunk_overlap, room // 4))
+        return [text[a:b] for a, b in (char_span(offsets, s, e) for s, e in spans)]
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         n = batch.num_rows
         status = batch.column("status").to_pylist()
         token_ids = batch.column(schema.PROMPT_TOKEN_IDS).to_pylist()
+        chunk_texts = batch.column(schema.CHUNK_TEXTS).to_pylist()
         buckets = batch.column(schema.BUCKET_INDEX).to_pylist()
         error: list[str | None] = batch.column("error").to_pylist()
         summary: list[str | None] = [None] * n
         output_tokens = [0] * n
         latency: list[float | None] = [None] * n
         call_of: list[str | None] = [None] * n
-        call_stats: list[str | None] = [None] * n
+        records: list[dict[str, Any]] = []
 
-        eligible = [i for i in range(n) if status[i] == Status.OK]
-        for bucket, members in bucket_runs(eligible, buckets, self.grouping, self.bucket_names):
-            served = self.feeder.serve(bucket, [(i, token_ids[i]) for i in members])
-            call_id = f"{self.actor}-{self.calls:05d}"
-            record = {"call": call_id, **served.record, "actor": self.actor_totals()}
-            if self.calls == 0:
-                record["engine"] = self.engine_info()
-            self.calls += 1
-            call_stats[members[0]] = json.dumps(record)
+        def settle(i: int, c: Completion) -> None:
+            latency[i], output_tokens[i] = c.latency_s, c.output_tokens
+            if c.error is None:
+                summary[i] = c.text
+            else:
+                status[i], error[i] = Status.ERROR.value, c.error
+
+        # 1. Whole documents, one engine call per bucket.
+        whole = [i for i in range(n) if status[i] == Status.OK and chunk_texts[i] is None]
+        for bucket, members in bucket_runs(whole, buckets, self.grouping, self.bucket_names):
+            call_id, completions = self._serve(bucket, [(i, token_ids[i]) for i in members], records)
             for i in members:
-                c = served.completions[i]
                 call_of[i] = call_id
-                latency[i] = c.latency_s
-                output_tokens[i] = c.output_tokens
-                if c.error is None:
-                    summary[i] = c.text
-                else:
-                    status[i], error[i] = Status.ERROR.value, c.error
+                settle(i, completions[i])
 
-        out = batch.drop_columns([schema.PROMPT_TOKEN_IDS, "status", "error"])
+        # 2. Documents too long for one prompt, under `length.policy: chunk`.
+        chunked = [i for i in range(n) if status[i] == Status.OK and chunk_texts[i] is not None]
+        if chunked:
+            rows = {i: batch.slice(i, 1).to_pylist()[0] for i in chunked}
+            for i, c in self._summarize_chunked(rows, {i: chunk_texts[i] for i in chunked}, records).items():
+                settle(i, c)
+
+        # The calls' records ride on the batch's first row, for the report.
+        call_stats: list[str | None] = [None] * n
+        if records and n:
+            call_stats[0] = json.dumps(records)
+        out = batch.drop_columns([schema.PROMPT_TOKEN_IDS, schema.CHUNK_TEXTS, "status", "error"])
         columns = {
             "summary": pa.array(summary, pa.string()),
             "output_tokens": pa.array(output_tokens, pa.int32()),

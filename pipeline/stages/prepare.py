@@ -1,14 +1,16 @@
 """Prepare: render prompts, tokenize them with the model's own tokenizer, bucket them.
 
 Input: a batch of corpus rows. Output: the same rows, plus `prompt_tokens`,
-`bucket`, `status`, `error` and the working columns `_prompt_token_ids` and
-`_bucket_index`. A row that cannot be prompted (null text, or a prompt that
-cannot fit the context with room to answer) leaves here with status `error`
-and is carried to the output without reaching the engine.
+`truncated`, `original_tokens`, `chunks`, `bucket`, `status`, `error`,
+`notes` and the working columns `_prompt_token_ids`, `_chunk_texts` and
+`_bucket_index`. A row that cannot be prompted (a null id; text that is null,
+empty, whitespace or not a string) leaves here with status `error` and its
+reason, and is carried to the output without reaching the engine.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
@@ -16,6 +18,7 @@ import pyarrow as pa
 from pipeline import schema
 from pipeline.bucketing import LengthBucketer
 from pipeline.config import RunConfig
+from pipeline.length import char_span, truncate_ids, windows
 from pipeline.schema import Status
 
 
@@ -53,13 +56,56 @@ def context_limit(model: str, max_model_len: int | None) -> int:
     return int(AutoConfig.from_pretrained(model).max_position_embeddings)
 
 
-class PrepareStage:
-    """Tokenizing stage; one per actor, the tokenizer loaded once."""
+@dataclass
+class _Row:
+    """One row's way through the stage."""
 
-    def __init__(self, config: RunConfig, model_path: str, max_model_len: int):
+    status: str = Status.OK.value
+    error: str | None = None
+    notes: str | None = None
+    text: str | None = None
+    ids: list[int] = field(default_factory=list)
+    original_tokens: int | None = None
+    truncated: bool = False
+    chunk_texts: list[str] | None = None
+    prompt_tokens: int | None = None  # null when the row was never tokenized
+    bucket_tokens: int = 0  # what the row is bucketed by: its prompt, or its windows' prompts
+
+    def fail(self, status: Status, message: str) -> None:
+        self.status, self.error, self.ids = status.value, message, []
+
+
+def _as_text(value: Any) -> tuple[str | None, str | None, str | None]:
+    """(text, error, note) for a text cell of any type."""
+    if value is None:
+        return None, "text is null", None
+    if isinstance(value, (bytes, bytearray)):
+        text = bytes(value).decode("utf-8", errors="replace")
+        bad = text.count("\ufffd")
+        note = "text was binary; decoded as UTF-8" + (f" with {bad} invalid sequences replaced" if bad else "")
+        return text, None, note
+    if not isinstance(value, str):
+        return None, f"text is {type(value).__name__}, expected a string", None
+    return value, None, None
+
+
+class PrepareStage:
+    """Tokenizing stage; one per actor, the tokenizer loaded once.
+
+    Rows too long for the model follow the job's length policy (see
+    `pipeline.length`): truncated and flagged, cut into windows for
+    map-reduce summarization, or skipped. `cap_tokens`, when given, caps the
+    text further (the corpus percentile cap).
+    """
+
+    def __init__(self, config: RunConfig, model_path: str, max_model_len: int, cap_tokens: int | None = None):
+        self.id_column = config.job.input.id_column
         self.text_column = config.job.input.text_column
+        self.length = config.job.length
         self.max_new_tokens = config.job.sampling.max_new_tokens
         self.max_prompt_tokens = max_model_len - self.max_new_tokens
+        caps = [c for c in (self.length.max_input_tokens, cap_tokens) if c is not None]
+        self.max_text_tokens = min(caps) if caps else None
         self.bucketer = LengthBucketer(config.profile.batching.bucket_boundaries)
         self.tokenizer = load_tokenizer(model_path)
         self.renderer = PromptRenderer(
@@ -69,46 +115,109 @@ class PrepareStage:
         # would double the BOS.
         self.add_special_tokens = not self.renderer.chat
 
+    def encode(self, prompts: list[str]) -> list[list[int]]:
+        if not prompts:
+            return []
+        return self.tokenizer(prompts, add_special_tokens=self.add_special_tokens)["input_ids"]
+
+    def render(self, row: dict[str, Any], text: str) -> str:
+        return self.renderer.render({**row, self.text_column: text})
+
     def __call__(self, batch: pa.Table) -> pa.Table:
         rows = batch.to_pylist()
-        n = len(rows)
-        status = [Status.OK.value] * n
-        error: list[str | None] = [None] * n
+        work = [_Row() for _ in rows]
 
-        # 1. Render; a row that cannot be rendered is an error row, not a crash.
-        prompts: list[str] = []
-        renderable: list[int] = []
-        for i, row in enumerate(rows):
-            if row.get(self.text_column) is None:
-                status[i], error[i] = Status.ERROR.value, f"{self.text_column} is null"
+        # 1. Bad rows become error rows with a reason; nothing here raises.
+        for row, w in zip(rows, work):
+            if row.get(self.id_column) is None:
+                w.fail(Status.ERROR, f"{self.id_column} is null")
                 continue
-            prompts.append(self.renderer.render(row))
-            renderable.append(i)
+            w.text, problem, w.notes = _as_text(row.get(self.text_column))
+            if problem is None and not w.text.strip():
+                problem = "text is empty" if not w.text else "text is whitespace only"
+            if problem is not None:
+                w.fail(Status.ERROR, problem)
+        valid = [i for i, w in enumerate(work) if w.status == Status.OK]
 
-        # 2. Tokenize the whole batch in one call (the fast tokenizer parallelises it).
-        token_ids: list[list[int]] = [[] for _ in range(n)]
-        if prompts:
-            encoded = self.tokenizer(prompts, add_special_tokens=self.add_special_tokens)["input_ids"]
-            for i, ids in zip(renderable, encoded):
-                token_ids[i] = ids
+        # 2. Render and tokenize the batch in one call (the fast tokenizer parallelises it).
+        for i, ids in zip(valid, self.encode([self.render(rows[i], work[i].text) for i in valid])):
+            work[i].ids = ids
+            work[i].prompt_tokens = work[i].bucket_tokens = len(ids)
 
-        # 3. Bucket, and refuse what cannot fit the context with room to answer.
-        prompt_tokens = [len(ids) for ids in token_ids]
-        for i in renderable:
-            if prompt_tokens[i] > self.max_prompt_tokens:
-                status[i] = Status.ERROR.value
-                error[i] = (
-                    f"prompt is {prompt_tokens[i]} tokens; the context fits "
-                    f"{self.max_prompt_tokens} with {self.max_new_tokens} left to generate"
-                )
-                token_ids[i] = []
-        index = [self.bucketer.index(t) for t in prompt_tokens]
+        # 3. What the template adds around the text, per row (its other fields vary).
+        overhead = dict(zip(valid, (len(x) for x in self.encode([self.render(rows[i], "") for i in valid]))))
+        for i in valid:
+            w = work[i]
+            text_tokens = len(w.ids) - overhead[i]
+            room = self.max_prompt_tokens - overhead[i]
+            cap = min(room, self.max_text_tokens) if self.max_text_tokens is not None else room
+            if len(w.ids) <= self.max_prompt_tokens and text_tokens <= cap:
+                continue
+            if room < 1:
+                w.fail(Status.ERROR, f"the prompt template alone is {overhead[i]} tokens; the context fits "
+                                     f"{self.max_prompt_tokens} with {self.max_new_tokens} left to generate")
+            elif self.length.policy == "skip":
+                w.original_tokens = len(w.ids)
+                w.fail(Status.SKIPPED_TOO_LONG, f"prompt is {len(w.ids)} tokens; the limit is "
+                                                f"{min(self.max_prompt_tokens, overhead[i] + cap)}")
+            elif self.length.policy == "truncate":
+                self._truncate(rows[i], w, cap)
+            else:
+                self._chunk(w, cap, overhead[i])
 
-        return (
-            batch.append_column("prompt_tokens", pa.array(prompt_tokens, pa.int32()))
-            .append_column("bucket", pa.array([self.bucketer.names[k] for k in index], pa.string()))
-            .append_column("status", pa.array(status, pa.string()))
-            .append_column("error", pa.array(error, pa.string()))
-            .append_column(schema.BUCKET_INDEX, pa.array(index, pa.int32()))
-            .append_column(schema.PROMPT_TOKEN_IDS, pa.array(token_ids, pa.list_(pa.int32())))
-        )
+        # 4. Bucket; a row never tokenized has no bucket (index 0 only orders it).
+        index = [self.bucketer.index(w.bucket_tokens) for w in work]
+        columns: dict[str, pa.Array] = {
+            "prompt_tokens": pa.array([w.prompt_tokens for w in work], pa.int32()),
+            "truncated": pa.array([w.truncated for w in work], pa.bool_()),
+            "original_tokens": pa.array([w.original_tokens for w in work], pa.int32()),
+            "chunks": pa.array([len(w.chunk_texts) if w.chunk_texts else None for w in work], pa.int32()),
+            "bucket": pa.array([self.bucketer.names[k] if w.prompt_tokens is not None else None
+                                for k, w in zip(index, work)], pa.string()),
+            "status": pa.array([w.status for w in work], pa.string()),
+            "error": pa.array([w.error for w in work], pa.string()),
+            "notes": pa.array([w.notes for w in work], pa.string()),
+            schema.BUCKET_INDEX: pa.array(index, pa.int32()),
+            schema.PROMPT_TOKEN_IDS: pa.array([w.ids for w in work], pa.list_(pa.int32())),
+            schema.CHUNK_TEXTS: pa.array([w.chunk_texts for w in work], pa.list_(pa.string())),
+        }
+        for name, values in columns.items():
+            batch = batch.append_column(name, values)
+        return batch
+
+    def _text_tokens(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return enc["input_ids"], enc["offset_mapping"]
+
+    def _truncate(self, row: dict[str, Any], w: _Row, cap: int) -> None:
+        """Keep `cap` tokens of the text; re-tokenizing a cut can merge differently,
+        so shrink by the excess until the rendered prompt fits."""
+        ids, _ = self._text_tokens(w.text)
+        w.original_tokens = len(w.ids)
+        for _ in range(4):
+            kept = truncate_ids(ids, cap, self.length.keep)
+            if self.length.keep == "head_tail" and len(ids) > cap:
+                head = (cap + 1) // 2
+                text = self.tokenizer.decode(kept[:head]) + " … " + self.tokenizer.decode(kept[head:])
+            else:
+                text = self.tokenizer.decode(kept)
+            prompt = self.encode([self.render(row, text)])[0]
+            excess = len(prompt) - self.max_prompt_tokens
+            if excess <= 0 and (self.max_text_tokens is None or len(kept) <= self.max_text_tokens):
+                w.ids, w.truncated = prompt, True
+                w.prompt_tokens = w.bucket_tokens = len(prompt)
+                return
+            cap -= max(excess, 1) + 1
+            if cap < 1:
+                break
+        w.fail(Status.ERROR, f"could not truncate the prompt ({w.original_tokens} tokens) to fit")
+
+    def _chunk(self, w: _Row, cap: int, overhead: int) -> None:
+        """Cut the text into windows of `cap` tokens for map-reduce summarization."""
+        ids, offsets = self._text_tokens(w.text)
+        overlap = min(self.length.chunk_overlap, cap // 4)
+        spans = windows(offsets, w.text, cap, overlap)
+        w.chunk_texts = [w.text[a:b] for a, b in (char_span(offsets, s, e) for s, e in spans)]
+        w.original_tokens = len(w.ids)
+        w.ids = []
+        w.bucket_tokens = overhead + max(e - s for s, e in spans)

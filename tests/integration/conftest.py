@@ -62,8 +62,7 @@ def job_run(tmp_path_factory, tiny_model) -> JobRun:
         "--input", str(corpus_path), "--output", str(output),
         "--set", f"model.name={tiny_model}",
         "--set", f"sampling.max_new_tokens={MAX_NEW_TOKENS}",
-        # Small calls and batches: many engine calls, batches that straddle buckets.
-        "--set", "batching.rows_per_call=16",
+        # Small batches: many engine calls, batches that straddle buckets.
         "--set", "batching.generate_batch_rows=48",
         "--set", "engine.max_model_len=8192",
         "--set", "batching.learned_limits=null",  # no state carried between test runs

@@ -60,7 +60,7 @@ class FakeEngine:
             self.live.pop(rid, None)
 
     def kv_gauges(self):
-        used = sum(cost for _, cost in self.live.values())
+        used = sum(v[1] for v in self.live.values())
         return min(1.0, used / self.capacity), 0
 
     def core_pids(self):
@@ -133,3 +133,29 @@ def test_a_refused_prompt_is_an_error_row():
     assert out.completions[3].error.startswith("ValueError: prompt too long")
     assert [out.completions[i].error for i in range(3)] == [None] * 3
     assert out.record["rejected"] == 1
+
+
+class PoisonEngine(FakeEngine):
+    """Every step fails while the poisoned prompt (token 666) is in flight."""
+
+    def submit(self, ids, params):
+        rid = super().submit(ids, params)
+        self.live[rid].append(ids[0] == 666)
+        return rid
+
+    def step(self):
+        if any(len(v) > 2 and v[2] for v in self.live.values()):
+            raise RuntimeError("sampler produced NaN")
+        return super().step()
+
+
+def test_a_poisoned_request_is_bisected_out_and_its_neighbours_finish():
+    engine = PoisonEngine()
+    batch = rows(16)
+    batch[11] = (11, [666] * 96)
+    feeder = EngineFeeder(engine, FixedBatchPolicy(16), SAMPLING)
+    out = feeder.serve("le128", batch)
+    assert sorted(out.completions) == list(range(16))
+    assert out.completions[11].error == "the engine failed on this row alone: RuntimeError: sampler produced NaN"
+    assert all(out.completions[i].error is None for i in range(16) if i != 11)
+    assert 1 <= feeder.totals.bisections <= 5  # log2(16) + 1

@@ -30,17 +30,84 @@ def test_renders_with_chat_template_and_counts_tokens(stage):
     assert out.column("status").to_pylist() == ["ok"]
 
 
-def test_buckets_and_refuses_what_cannot_fit(stage):
-    texts = ["x", "word " * 40, "word " * 300, None]
-    batch = pa.table({"id": list("abcd"), "text": pa.array(texts, pa.string()), "source": ["wiki"] * 4})
-    out = stage(batch).to_pylist()
-    for r in out[:2]:
+def make_stage(tiny_model, *sets, max_model_len=256):
+    cfg = load_run_config(
+        REPO / "jobs/nightly_summarize.yaml", REPO / "conf/local.yaml",
+        ["batching.bucket_boundaries=[64, 96]", "sampling.max_new_tokens=16", *sets],
+    )
+    return PrepareStage(cfg, str(tiny_model), max_model_len=max_model_len)
+
+
+def batch_of(texts, ids=None):
+    ids = ids or [f"r{i}" for i in range(len(texts))]
+    return pa.table({"id": pa.array(ids, pa.string()), "text": pa.array(texts, pa.string()),
+                     "source": ["wiki"] * len(texts)})
+
+
+LONG = "Word after word goes on. " * 120  # far past 240 tokens
+
+
+def test_buckets_rows_by_their_prompt(stage):
+    out = stage(batch_of(["x", "word " * 12])).to_pylist()
+    for r in out:
         assert r["bucket"] == stage.bucketer.name(r["prompt_tokens"])
         assert r["_bucket_index"] == stage.bucketer.index(r["prompt_tokens"])
+        assert r["truncated"] is False and r["original_tokens"] is None
     assert out[0]["bucket"] != out[1]["bucket"]
-    too_long = out[2]
-    assert too_long["status"] == "error" and "the context fits 240 with 16 left" in too_long["error"]
-    assert too_long[schema.PROMPT_TOKEN_IDS] == []
-    assert out[3]["status"] == "error" and out[3]["error"] == "text is null"
-    # Passthrough columns are untouched.
-    assert [r["source"] for r in out] == ["wiki"] * 4
+    assert [r["source"] for r in out] == ["wiki", "wiki"]  # passthrough untouched
+
+
+def test_truncate_flags_the_row_and_fits_the_context(stage):
+    r = stage(batch_of([LONG])).to_pylist()[0]
+    assert r["status"] == "ok" and r["truncated"] is True
+    assert r["prompt_tokens"] <= 240 < r["original_tokens"]
+    assert len(r[schema.PROMPT_TOKEN_IDS]) == r["prompt_tokens"]
+    # head: the prompt keeps the document's opening
+    assert "Word after word goes on." in stage.tokenizer.decode(r[schema.PROMPT_TOKEN_IDS])
+
+
+def test_head_tail_keeps_both_ends(tiny_model):
+    stage = make_stage(tiny_model, "length.keep=head_tail")
+    text = "Opening line here. " + "middle " * 400 + "The final conclusion."
+    r = stage(batch_of([text])).to_pylist()[0]
+    decoded = stage.tokenizer.decode(r[schema.PROMPT_TOKEN_IDS])
+    assert r["truncated"] and "Opening line here." in decoded and "The final conclusion." in decoded
+
+
+def test_max_input_tokens_caps_below_the_context(tiny_model):
+    stage = make_stage(tiny_model, "length.max_input_tokens=20")
+    r = stage(batch_of(["word " * 60])).to_pylist()[0]
+    overhead = len(stage.encode([stage.render({"source": "wiki"}, "")])[0])
+    assert r["truncated"] and r["prompt_tokens"] <= overhead + 20 + 2
+
+
+def test_skip_policy(tiny_model):
+    r = make_stage(tiny_model, "length.policy=skip")(batch_of([LONG])).to_pylist()[0]
+    assert r["status"] == "skipped_too_long" and "the limit is" in r["error"]
+    assert r[schema.PROMPT_TOKEN_IDS] == [] and r["original_tokens"] == r["prompt_tokens"] > 240
+
+
+def test_chunk_policy_cuts_windows_that_fit(tiny_model):
+    stage = make_stage(tiny_model, "length.policy=chunk", "length.chunk_overlap=8")
+    r = stage(batch_of([LONG])).to_pylist()[0]
+    pieces = r[schema.CHUNK_TEXTS]
+    assert r["status"] == "ok" and r["chunks"] == len(pieces) >= 2
+    for piece in pieces:
+        assert len(stage.encode([stage.render({"source": "wiki"}, piece)])[0]) <= 240
+    assert pieces[0].startswith("Word after word") and LONG.rstrip().endswith(pieces[-1].rstrip())
+
+
+def test_bad_rows_get_errors_with_reasons(stage):
+    texts = [None, "", "  \n\t ", "fine", "ok too"]
+    out = stage(batch_of(texts, ids=["a", "b", "c", None, "e"])).to_pylist()
+    assert [(r["status"], r["error"]) for r in out] == [
+        ("error", "text is null"), ("error", "text is empty"), ("error", "text is whitespace only"),
+        ("error", "id is null"), ("ok", None),
+    ]
+    assert [r["bucket"] for r in out[:4]] == [None] * 4 and out[0]["prompt_tokens"] is None
+
+
+def test_binary_text_is_decoded_and_noted(stage):
+    batch = pa.table({"id": ["a"], "text": pa.array([b"caf\xc3\xa9 \xff ok"], pa.binary()), "source": ["x"]})
+    r = stage(batch).to_pylist()[0]
+    assert r["status"] == "ok" and "decoded as UTF-8 with 1 invalid" in r["notes"]

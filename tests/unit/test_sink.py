@@ -15,11 +15,13 @@ def block(ids, bucket, call, first_stats=None, status="ok"):
         "id": ids, "text": ["t"] * n, "summary": ["s"] * n,
         "prompt_tokens": pa.array(range(10, 10 + n), pa.int32()),
         "output_tokens": pa.array([4] * n, pa.int32()), "bucket": [bucket] * n,
+        "truncated": [False] * n, "original_tokens": pa.array([None] * n, pa.int32()),
+        "chunks": pa.array([None] * n, pa.int32()), "notes": pa.array([None] * n, pa.string()),
         "status": [status] * n, "error": pa.array([None] * n, pa.string()),
         "latency_s": [0.1] * n, "model": ["m"] * n, "run_id": ["r"] * n,
         schema.BUCKET_INDEX: pa.array([0] * n, pa.int32()),
         schema.ENGINE_CALL: pa.array([call] * n, pa.string()),
-        ENGINE_CALL_STATS: [json.dumps(first_stats)] + [None] * (n - 1) if first_stats else pa.array([None] * n, pa.string()),
+        ENGINE_CALL_STATS: [json.dumps([first_stats])] + [None] * (n - 1) if first_stats else pa.array([None] * n, pa.string()),
     })
 
 
