@@ -67,10 +67,9 @@ def init_ray(config: RunConfig) -> None:
 
 
 def corpus_percentile_cap(config: RunConfig, inputs: Any, prepare: dict[str, Any]) -> int:
-    """The text-token cap at `length.outlier_percentile` of the corpus's prompt
+    """The prompt-token cap at `length.outlier_percentile` of the corpus's prompt
     lengths, from a tokenizing pass over it, so one giant document does not
-    set a bucket's shape. The cap applies to the text, so the template's
-    share (its median) is taken off the prompt-length percentile."""
+    set a bucket's shape."""
     import numpy as np
     import ray
     import ray.data

@@ -95,7 +95,7 @@ class PrepareStage:
     Rows too long for the model follow the job's length policy (see
     `pipeline.length`): truncated and flagged, cut into windows for
     map-reduce summarization, or skipped. `cap_tokens`, when given, caps the
-    text further (the corpus percentile cap).
+    prompt further (the corpus percentile cap).
     """
 
     def __init__(self, config: RunConfig, model_path: str, max_model_len: int, cap_tokens: int | None = None):
@@ -104,8 +104,8 @@ class PrepareStage:
         self.length = config.job.length
         self.max_new_tokens = config.job.sampling.max_new_tokens
         self.max_prompt_tokens = max_model_len - self.max_new_tokens
-        caps = [c for c in (self.length.max_input_tokens, cap_tokens) if c is not None]
-        self.max_text_tokens = min(caps) if caps else None
+        self.max_text_tokens = self.length.max_input_tokens
+        self.cap_prompt_tokens = cap_tokens
         self.bucketer = LengthBucketer(config.profile.batching.bucket_boundaries)
         self.tokenizer = load_tokenizer(model_path)
         self.renderer = PromptRenderer(
@@ -150,6 +150,8 @@ class PrepareStage:
             w = work[i]
             text_tokens = len(w.ids) - overhead[i]
             room = self.max_prompt_tokens - overhead[i]
+            if self.cap_prompt_tokens is not None:
+                room = min(room, max(1, self.cap_prompt_tokens - overhead[i]))
             cap = min(room, self.max_text_tokens) if self.max_text_tokens is not None else room
             if len(w.ids) <= self.max_prompt_tokens and text_tokens <= cap:
                 continue
@@ -202,7 +204,10 @@ class PrepareStage:
             else:
                 text = self.tokenizer.decode(kept)
             prompt = self.encode([self.render(row, text)])[0]
-            excess = len(prompt) - self.max_prompt_tokens
+            limit = self.max_prompt_tokens
+            if self.cap_prompt_tokens is not None:
+                limit = min(limit, max(self.cap_prompt_tokens, len(prompt) - len(kept) + 1))
+            excess = len(prompt) - limit
             if excess <= 0 and (self.max_text_tokens is None or len(kept) <= self.max_text_tokens):
                 w.ids, w.truncated = prompt, True
                 w.prompt_tokens = w.bucket_tokens = len(prompt)

@@ -127,8 +127,14 @@ def test_chunk_policy_summarizes_long_documents_map_reduce(tmp_path, tiny_model)
     r = run_cli(JOB, LOCAL, "--input", str(corpus), "--output", str(tmp_path / "out"),
                 "--set", f"model.name={tiny_model}", "--set", "engine.max_model_len=512",
                 "--set", "sampling.max_new_tokens=16", "--set", "length.policy=chunk",
-                "--set", "length.chunk_overlap=16", "--set", "batching.learned_limits=null")
+                "--set", "length.chunk_overlap=16", "--set", "batching.learned_limits=null",
+                "--set", "length.outlier_percentile=75")
     assert r.returncode == 0, r.stderr[-3000:]
+    import json
+
+    report = json.loads((tmp_path / "out" / "_report.json").read_text())
+    cap = report["length"]["percentile_cap_tokens"]
+    assert cap is not None and 0 < cap < 512  # the 75th percentile of twelve prompts, two of them huge
     rows = {x["id"]: x for x in pq.read_table(tmp_path / "out").to_pylist()}
     assert len(rows) == 12 and {x["status"] for x in rows.values()} == {"ok"}
     ids = normal.column("id").to_pylist()
@@ -136,6 +142,7 @@ def test_chunk_policy_summarizes_long_documents_map_reduce(tmp_path, tiny_model)
         assert rows[long_id]["chunks"] >= 2 and rows[long_id]["summary"] is not None
         assert rows[long_id]["original_tokens"] > 512 and rows[long_id]["truncated"] is False
     assert rows[ids[5]]["chunks"] > rows[ids[0]]["chunks"]
-    for r in rows.values():  # chunked exactly when the prompt did not fit
+    for r in rows.values():  # chunked exactly when the prompt passed the cap
         assert (r["chunks"] is None) == (r["original_tokens"] is None)
-        assert r["chunks"] is None or r["original_tokens"] > 512 - 16
+        assert r["chunks"] is None or r["original_tokens"] > cap
+        assert r["chunks"] is not None or r["prompt_tokens"] <= cap
