@@ -27,7 +27,6 @@ from pipeline.config import EngineConfig, SamplingConfig
 log = logging.getLogger(__name__)
 
 
-
 @dataclass(frozen=True)
 class Completion:
     """One prompt's result. `error` is set, and `text` is None, when it failed."""
@@ -84,6 +83,15 @@ STARTUP_MEMORY_ERRORS = (
 )
 
 
+class EngineStartupError(RuntimeError):
+    """The engine would not start even at the lowest memory fraction allowed."""
+
+
+def mentions_memory_failure(text: str) -> bool:
+    text = text.lower()
+    return any(marker.lower() in text for marker in STARTUP_MEMORY_ERRORS)
+
+
 def _root_cause(log_text: str) -> str | None:
     """The exception line the engine core logged that explains a failed start:
     a memory failure if there is one, else the first exception line."""
@@ -93,17 +101,8 @@ def _root_cause(log_text: str) -> str | None:
         head = line.split(":", 1)[0]
         if head.endswith(("Error", "Exception")) and " " not in head:
             causes.append(line)
-    memory = [c for c in causes if is_startup_memory_error(Exception(), c)]
+    memory = [c for c in causes if mentions_memory_failure(c)]
     return (memory or causes or [None])[0]
-
-
-class EngineStartupError(RuntimeError):
-    """The engine would not start even at the lowest memory fraction allowed."""
-
-
-def is_startup_memory_error(error: BaseException, log_text: str = "") -> bool:
-    text = f"{error}\n{error.__cause__ or ''}\n{log_text}".lower()
-    return any(marker.lower() in text for marker in STARTUP_MEMORY_ERRORS)
 
 
 class EngineLogTee:
@@ -196,7 +195,7 @@ class VLLMEngine:
                 cause = _root_cause(tee.stop(wait_s=2.0)) or f"{type(e).__name__}: {e}"
                 self.startup_attempts.append({"gpu_memory_utilization": util, "error": cause[:500]})
                 lower = round(util * self.config.startup_backoff, 4)
-                if not is_startup_memory_error(e, cause) or lower < self.config.min_gpu_memory_utilization:
+                if not mentions_memory_failure(f"{e}\n{cause}") or lower < self.config.min_gpu_memory_utilization:
                     tried = ", ".join(str(a["gpu_memory_utilization"]) for a in self.startup_attempts)
                     raise EngineStartupError(
                         f"vLLM did not start (gpu_memory_utilization tried: {tried}; floor "
