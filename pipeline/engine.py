@@ -38,19 +38,6 @@ class Completion:
     error: str | None = None
 
 
-@dataclass
-class EngineCallStats:
-    """What one `generate` call did, for the report and the batch policy."""
-
-    rows: int
-    wall_s: float
-    output_tokens: int
-    steps: int
-    peak_kv_cache_usage: float = 0.0
-    preemptions: int = 0
-    rejected: int = 0
-
-
 def engine_kwargs(model: str, engine: EngineConfig, seed: int | None) -> dict[str, Any]:
     """Keyword arguments for `vllm.LLM`, from the profile's engine section."""
     kwargs: dict[str, Any] = {
@@ -161,9 +148,8 @@ def is_engine_oom(error: BaseException) -> bool:
 class VLLMEngine:
     """One vLLM engine, built once and reused for every call.
 
-    Two ways to drive it: `generate` runs a list of prompts to completion;
-    `submit`, `step` and `abort` let a caller keep it fed, admitting new
-    requests as others finish.
+    `submit`, `step` and `abort` let a caller (the feeder) keep it fed,
+    admitting new requests as others finish.
     """
 
     def __init__(self, model: str, engine: EngineConfig, seed: int | None = 0):
@@ -352,57 +338,3 @@ class VLLMEngine:
     def abort(self, request_ids: list[str]) -> None:
         if request_ids and self._engine is not None:
             self._engine.abort_request(request_ids)
-
-    def has_unfinished(self) -> bool:
-        return self._engine.has_unfinished_requests()
-
-    def generate(
-        self, prompts: list[list[int]], sampling: SamplingConfig
-    ) -> tuple[list[Completion], EngineCallStats]:
-        """Run `prompts` (token ids) to completion; one Completion per prompt, in order.
-
-        A prompt the engine refuses (too long for the context, say) gets a
-        Completion with `error` set; the others run as usual.
-        """
-        params = self.sampling_params(sampling)
-        started = time.monotonic()
-        _, preempted_before = self.kv_gauges()
-        pending: dict[str, tuple[int, float]] = {}
-        results: list[Completion | None] = [None] * len(prompts)
-        rejected = 0
-
-        # 1. Submit everything; the engine's scheduler decides what runs when.
-        for i, ids in enumerate(prompts):
-            try:
-                pending[self.submit(ids, params)] = (i, time.monotonic())
-            except Exception as e:  # vLLM validates per request: isolate the culprit.
-                results[i] = Completion(None, 0, 0.0, error=f"{type(e).__name__}: {e}")
-                rejected += 1
-
-        # 2. Step until every request finishes, timing each to its own completion.
-        steps, output_tokens, peak_usage = 0, 0, 0.0
-        while self.has_unfinished():
-            finished = self.step()
-            steps += 1
-            now = time.monotonic()
-            for request_id, c in finished:
-                i, submitted = pending[request_id]
-                results[i] = Completion(c.text, c.output_tokens, now - submitted, c.finish_reason)
-                output_tokens += c.output_tokens
-            # KV usage reads 0 once requests finish: read it mid-flight.
-            peak_usage = max(peak_usage, self.kv_gauges()[0])
-
-        _, preempted_after = self.kv_gauges()
-        missing = [i for i, r in enumerate(results) if r is None]
-        if missing:
-            raise RuntimeError(f"engine finished without results for prompts {missing[:5]}")
-        stats = EngineCallStats(
-            rows=len(prompts),
-            wall_s=time.monotonic() - started,
-            output_tokens=output_tokens,
-            steps=steps,
-            peak_kv_cache_usage=peak_usage,
-            preemptions=preempted_after - preempted_before,
-            rejected=rejected,
-        )
-        return [r for r in results if r is not None], stats

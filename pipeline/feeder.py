@@ -77,6 +77,7 @@ class _Window:
 @dataclass
 class _InFlight:
     position: int
+    ids: list[int]
     cost: int
     first_submitted: float
 
@@ -134,7 +135,6 @@ class EngineFeeder:
         max_new = self.sampling.max_new_tokens
         queue = deque((pos, ids, len(ids) + max_new) for pos, ids in rows)
         tokens_per_row = sum(c for _, _, c in queue) / max(len(queue), 1)
-        prompts = {pos: ids for pos, ids in rows}
         first_submit: dict[int, float] = {}
         results: dict[int, Completion] = {}
         in_flight: dict[str, _InFlight] = {}
@@ -173,7 +173,7 @@ class EngineFeeder:
                     rejected += 1
                     continue
                 first_submit.setdefault(pos, now)
-                in_flight[request_id] = _InFlight(pos, cost, first_submit[pos])
+                in_flight[request_id] = _InFlight(pos, ids, cost, first_submit[pos])
                 in_flight_cost += cost
             if not queue and len(in_flight) < max_rows:
                 window.drained = True
@@ -211,7 +211,7 @@ class EngineFeeder:
                     suspects.discard(v.position)
                 else:
                     for v in reversed(victims):
-                        queue.appendleft((v.position, prompts[v.position], v.cost))
+                        queue.appendleft((v.position, v.ids, v.cost))
                 window = self._open_window(bucket, tokens_per_row)
                 mark = time.monotonic()  # recovery time is not busy time
                 continue

@@ -66,20 +66,30 @@ def init_ray(config: RunConfig) -> None:
         ray.init(num_cpus=hw.ray_num_cpus, include_dashboard=False, runtime_env={"env_vars": env})
 
 
+def prepared(config: RunConfig, inputs: Any, prepare: dict[str, Any]) -> Any:
+    """The input read and run through the prepare stage (lazy: nothing runs yet)."""
+    import ray.data
+
+    from pipeline.stages.prepare import PrepareStage
+
+    return ray.data.read_parquet(inputs.paths, filesystem=inputs.filesystem).map_batches(
+        PrepareStage,
+        fn_constructor_kwargs=prepare,
+        batch_size=config.profile.batching.prepare_batch_rows,
+        batch_format="pyarrow",
+        concurrency=config.profile.hardware.prepare_actors,
+        num_cpus=1,
+    )
+
+
 def corpus_percentile_cap(config: RunConfig, inputs: Any, prepare: dict[str, Any]) -> int:
     """The prompt-token cap at `length.outlier_percentile` of the corpus's prompt
     lengths, from a tokenizing pass over it, so one giant document does not
     set a bucket's shape."""
     import numpy as np
     import ray
-    import ray.data
 
-    from pipeline.stages.prepare import PrepareStage
-
-    ds = ray.data.read_parquet(inputs.paths, filesystem=inputs.filesystem).map_batches(
-        PrepareStage, fn_constructor_kwargs=prepare, batch_size=config.profile.batching.prepare_batch_rows,
-        batch_format="pyarrow", concurrency=config.profile.hardware.prepare_actors, num_cpus=1,
-    ).select_columns(["prompt_tokens", "original_tokens", "status"])
+    ds = prepared(config, inputs, prepare).select_columns(["prompt_tokens", "original_tokens"])
     table = pa.concat_tables(ray.get(ds.to_arrow_refs()))
     measured = pc.if_else(pc.is_null(table.column("original_tokens")), table.column("prompt_tokens"),
                           table.column("original_tokens")).drop_null().to_numpy()
@@ -90,11 +100,8 @@ def corpus_percentile_cap(config: RunConfig, inputs: Any, prepare: dict[str, Any
 
 def run_job(config: RunConfig, run_id: str | None = None) -> dict[str, Any]:
     """Run the job end to end and return its report (also written as `_report.json`)."""
-    import ray.data
-
     from pipeline.sink import ParquetPartsSink
     from pipeline.stages.generate import GenerateStage
-    from pipeline.stages.prepare import PrepareStage
 
     run_id = run_id or new_run_id()
     started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -130,15 +137,7 @@ def run_job(config: RunConfig, run_id: str | None = None) -> dict[str, Any]:
     if job.length.outlier_percentile is not None:
         percentile_cap = corpus_percentile_cap(config, inputs, prepare)
         prepare["cap_tokens"] = percentile_cap
-    ds = ray.data.read_parquet(inputs.paths, filesystem=inputs.filesystem)
-    ds = ds.map_batches(
-        PrepareStage,
-        fn_constructor_kwargs=prepare,
-        batch_size=batching.prepare_batch_rows,
-        batch_format="pyarrow",
-        concurrency=hw.prepare_actors,
-        num_cpus=1,
-    )
+    ds = prepared(config, inputs, prepare)
     if batching.bucket_grouping == "global":
         # One range partition per bucket: the engine sees each bucket's rows together.
         ds = ds.sort(schema.BUCKET_INDEX, boundaries=list(range(1, len(bucketer.names))))

@@ -161,7 +161,7 @@ class GenerateStage:
     def _pieces(self, prep: PrepareStage, row: dict[str, Any], text: str) -> list[str]:
         """The joined summaries as one piece if they fit the context, else windows again."""
         room = prep.max_prompt_tokens - len(prep.encode([prep.render(row, "")])[0])
-        ids, offsets = prep._text_tokens(text)
+        ids, offsets = prep.text_tokens(text)
         if len(ids) <= room:
             return [text]
         spans = windows(offsets, text, room, min(self.config.job.length.chunk_overlap, room // 4))

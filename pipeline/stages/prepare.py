@@ -144,9 +144,13 @@ class PrepareStage:
             work[i].ids = ids
             work[i].prompt_tokens = work[i].bucket_tokens = len(ids)
 
-        # 3. What the template adds around the text, per row (its other fields vary).
-        overhead = dict(zip(valid, (len(x) for x in self.encode([self.render(rows[i], "") for i in valid]))))
-        for i in valid:
+        # 3. Rows past the smallest limit may be too long; for those only, measure
+        #    what the template adds around the text (its other fields vary by row).
+        limits = [self.max_prompt_tokens, self.max_text_tokens, self.cap_prompt_tokens]
+        smallest = min(x for x in limits if x is not None)
+        long_rows = [i for i in valid if len(work[i].ids) > smallest]
+        overhead = dict(zip(long_rows, (len(x) for x in self.encode([self.render(rows[i], "") for i in long_rows]))))
+        for i in long_rows:
             w = work[i]
             text_tokens = len(w.ids) - overhead[i]
             room = self.max_prompt_tokens - overhead[i]
@@ -187,14 +191,14 @@ class PrepareStage:
             batch = batch.append_column(name, values)
         return batch
 
-    def _text_tokens(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    def text_tokens(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         return enc["input_ids"], enc["offset_mapping"]
 
     def _truncate(self, row: dict[str, Any], w: _Row, cap: int) -> None:
         """Keep `cap` tokens of the text; re-tokenizing a cut can merge differently,
         so shrink by the excess until the rendered prompt fits."""
-        ids, _ = self._text_tokens(w.text)
+        ids, _ = self.text_tokens(w.text)
         w.original_tokens = len(w.ids)
         for _ in range(4):
             kept = truncate_ids(ids, cap, self.length.keep)
@@ -219,7 +223,7 @@ class PrepareStage:
 
     def _chunk(self, w: _Row, cap: int, overhead: int) -> None:
         """Cut the text into windows of `cap` tokens for map-reduce summarization."""
-        ids, offsets = self._text_tokens(w.text)
+        ids, offsets = self.text_tokens(w.text)
         overlap = min(self.length.chunk_overlap, cap // 4)
         spans = windows(offsets, w.text, cap, overlap)
         w.chunk_texts = [w.text[a:b] for a, b in (char_span(offsets, s, e) for s, e in spans)]

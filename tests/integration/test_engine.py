@@ -2,8 +2,10 @@
 
 import pytest
 
+from pipeline.batching import FixedBatchPolicy
 from pipeline.config import EngineConfig, SamplingConfig
 from pipeline.engine import VLLMEngine
+from pipeline.feeder import EngineFeeder
 
 pytestmark = pytest.mark.integration
 
@@ -40,26 +42,32 @@ def prompts(n, length=20):
     return [[5 + (i + k) % 300 for k in range(length)] for i in range(n)]
 
 
+def generate(engine, batch, sampling):
+    """The prompts as one call through the feeder the pipeline uses: completions in order, and the call's record."""
+    served = EngineFeeder(engine, FixedBatchPolicy(len(batch)), sampling).serve("test", list(enumerate(batch)))
+    return [served.completions[i] for i in range(len(batch))], served.record
+
+
 def test_one_completion_per_prompt_within_max_tokens(engine):
-    out, stats = engine.generate(prompts(12), SamplingConfig(max_new_tokens=8))
+    out, stats = generate(engine, prompts(12), SamplingConfig(max_new_tokens=8))
     assert len(out) == 12
     assert all(c.error is None and 1 <= c.output_tokens <= 8 and c.latency_s > 0 for c in out)
-    assert stats.rows == 12 and stats.output_tokens == sum(c.output_tokens for c in out)
-    assert stats.steps >= max(c.output_tokens for c in out)
-    assert 0.0 < stats.peak_kv_cache_usage <= 1.0  # read from the step stats while requests ran
+    assert stats["rows"] == 12 and stats["output_tokens"] == sum(c.output_tokens for c in out)
+    assert stats["steps"] >= max(c.output_tokens for c in out)
+    assert 0.0 < stats["peak_kv_cache_usage"] <= 1.0  # read from the step stats while requests ran
 
 
 def test_greedy_is_deterministic(engine):
-    a, _ = engine.generate(prompts(6), SamplingConfig(max_new_tokens=8, temperature=0.0))
-    b, _ = engine.generate(prompts(6), SamplingConfig(max_new_tokens=8, temperature=0.0))
+    a, _ = generate(engine, prompts(6), SamplingConfig(max_new_tokens=8, temperature=0.0))
+    b, _ = generate(engine, prompts(6), SamplingConfig(max_new_tokens=8, temperature=0.0))
     assert [c.text for c in a] == [c.text for c in b]
 
 
 def test_a_rejected_prompt_does_not_fail_its_neighbours(engine):
     batch = prompts(3)
     batch.insert(1, [7] * 600)  # longer than max_model_len
-    out, stats = engine.generate(batch, SamplingConfig(max_new_tokens=4))
+    out, stats = generate(engine, batch, SamplingConfig(max_new_tokens=4))
     assert [c.error is None for c in out] == [True, False, True, True]
     assert "maximum context length" in out[1].error
-    assert stats.rejected == 1
+    assert stats["rejected"] == 1
     assert engine.kv_cache_tokens and engine.max_model_len == 512
