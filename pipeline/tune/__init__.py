@@ -1,0 +1,1 @@
+"""`pipeline tune`: sweep batch size per length bucket and choose one."""
