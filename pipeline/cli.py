@@ -38,7 +38,13 @@ def summary_table(report: dict[str, Any]) -> Table:
         table.add_row(name, f"{b['rows']:,}", f"{pt['min']:,} / {pt['median']:,.0f} / {pt['max']:,}")
     table.add_section()
     status = ", ".join(f"{k} {v:,}" for k, v in sorted(report["status"].items()))
-    table.add_row("total", f"{report['rows_out']:,} of {report['rows_in']:,}", status)
+    if report.get("passages"):
+        total = f"{report['rows_out']:,} passages of {report['rows_in']:,} documents"
+    elif report["rows_in"] is None:
+        total = f"{report['rows_out']:,}"
+    else:
+        total = f"{report['rows_out']:,} of {report['rows_in']:,}"
+    table.add_row("total", total, status)
     return table
 
 
@@ -55,6 +61,12 @@ def print_summary(report: dict[str, Any]) -> None:
             f"engine busy {report['engine_s']:.1f} s in {report['engine']['calls']} calls · "
             f"{report['engine_output_tokens_per_s']:,.1f} output tokens/s while generating"
         )
+    if report.get("annotations"):
+        a = report["annotations"]
+        out.print(f"annotations: {a['valid']:,} valid · {a['invalid_output']:,} invalid_output · "
+                  f"{a['retried']:,} retried with more room")
+    if report.get("date"):
+        out.print(f"date: {report['date']}")
     out.print(f"output: {report['output']}  report: {report['report_path']}", soft_wrap=True)
 
 
@@ -84,14 +96,20 @@ def main() -> None:
                    "and list it in the report.")
 @click.option("--fail-on-error-rate", type=click.FloatRange(0.0, 1.0), default=None, metavar="X",
               help="Exit 3 when more than this share of rows end with status error (e.g. 0.01).")
+@click.option("--date", metavar="YYYY-MM-DD",
+              help="The day for a job whose paths hold {date} (jobs/nightly_summarize.yaml). "
+                   "Default: yesterday, UTC.")
 def run(job: Path, profile: Path, input_path: str | None, output_path: str | None,
-        overrides: tuple[str, ...], on_bad_file: str | None, fail_on_error_rate: float | None) -> None:
+        overrides: tuple[str, ...], on_bad_file: str | None, fail_on_error_rate: float | None,
+        date: str | None) -> None:
     """Run JOB over its input and write summaries to its output folder.
 
-    Output: Parquet parts (the input columns, then summary, prompt_tokens,
-    output_tokens, truncated, original_tokens, chunks, bucket, status, error,
-    notes, latency_s, model, run_id) and _report.json. Every input row comes
-    out exactly once, with status ok, error or skipped_too_long.
+    Output: Parquet parts (the input columns, then summary, [the annotation
+    columns, raw_output,] prompt_tokens, output_tokens, truncated,
+    original_tokens, chunks, bucket, status, error, notes, latency_s, model,
+    run_id) and _report.json, published whole. Every input row comes out
+    exactly once (with passages: once per passage), with status ok, error,
+    skipped_too_long or invalid_output.
 
     Exit status: 0 when the job ran, even if some rows have status `error`; 2
     when the config or input is wrong (nothing ran); 3 when the share of error
@@ -103,7 +121,7 @@ def run(job: Path, profile: Path, input_path: str | None, output_path: str | Non
     if on_bad_file is not None:
         overrides = (*overrides, f"input.on_bad_file={on_bad_file}")
     try:
-        config = load_run_config(job, profile, overrides, input_path, output_path)
+        config = load_run_config(job, profile, overrides, input_path, output_path, date=date)
         report = run_job(config)
     except (ConfigError, InputError) as e:
         _fail(EXIT_BAD_CONFIG, str(e))

@@ -9,11 +9,12 @@ error names the file (or `--set`) and the dotted field it is about.
 from __future__ import annotations
 
 import string
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pipeline.bucketing import DEFAULT_BOUNDARIES
 
@@ -30,7 +31,17 @@ class _Section(BaseModel):
 
 
 class InputConfig(_Section):
-    path: str = Field(description="Parquet file, folder or glob; local path or URI (s3://, gs://).")
+    path: str = Field(
+        description="Parquet file, folder or glob; local path or URI (s3://, gs://); JSON, JSONL or CSV "
+        "files; a `datasets` save_to_disk folder; or a Hugging Face hub dataset name. May hold {date}."
+    )
+    format: Literal["auto", "parquet", "json", "csv", "saved", "hub"] = Field(
+        "auto",
+        description="auto: by extension (.json/.jsonl, .csv), a save_to_disk folder, a hub name "
+        "(owner/name that is not a local path), else Parquet. json, csv, saved and hub go through `datasets`.",
+    )
+    split: str = Field("train", description="`datasets` sources: the split to read.")
+    subset: str | None = Field(None, description="Hub datasets: the configuration (subset) name.")
     id_column: str = Field("id", description="Column holding each row's unique id.")
     text_column: str = Field("text", description="Column holding the document text.")
     on_bad_file: Literal["fail", "skip"] = Field(
@@ -48,9 +59,21 @@ class PromptConfig(_Section):
         description="User message; `{field}` names a column of the row, e.g. `{text}`."
     )
 
+    @field_validator("template")
+    @classmethod
+    def _parses(cls, template: str) -> str:
+        try:
+            names = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+        except ValueError as e:
+            raise ValueError(f"not a valid template ({e}); write a literal brace as {{{{ or }}}}") from None
+        if "" in names or any(n.isdigit() for n in names):
+            raise ValueError("positional fields ({} or {0}) name no column; write {column}")
+        return template
+
     def fields(self) -> set[str]:
-        """The row columns the template names."""
-        return {name for _, name, _, _ in string.Formatter().parse(self.template) if name}
+        """The row columns the template names (`{source}`, `{meta.title}` -> meta)."""
+        names = (name for _, name, _, _ in string.Formatter().parse(self.template) if name)
+        return {name.split(".")[0].split("[")[0] for name in names}
 
 
 class SamplingConfig(_Section):
@@ -77,6 +100,49 @@ class LengthConfig(_Section):
     chunk_overlap: int = Field(64, ge=0, description="Tokens shared by consecutive windows.")
 
 
+class PassagesConfig(_Section):
+    """Knowledge-base ingestion: one output row per passage of each document."""
+
+    tokens: int = Field(256, gt=0, description="Most tokens per passage (the model's tokenizer).")
+    overlap: int = Field(32, ge=0, description="Tokens shared by consecutive passages.")
+
+    @model_validator(mode="after")
+    def _overlap_fits(self) -> PassagesConfig:
+        if self.overlap >= self.tokens:
+            raise ValueError(f"overlap ({self.overlap}) must be smaller than tokens ({self.tokens})")
+        return self
+
+
+class AnnotationsConfig(_Section):
+    """Structured annotations: JSON generated against `schema`, written as typed columns."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    prompt: PromptConfig
+    json_schema: dict[str, Any] = Field(
+        alias="schema", description="JSON Schema of one object; each property becomes a typed column."
+    )
+    max_new_tokens: int = Field(512, gt=0, description="Room for the JSON.")
+    retry_max_new_tokens: int | None = Field(
+        None, gt=0, description="One retry with this much room when the JSON does not validate; default 2x."
+    )
+    column_prefix: str = Field("", description="Prefix for the annotation columns, e.g. `ann_`.")
+
+    @field_validator("json_schema")
+    @classmethod
+    def _maps_to_arrow(cls, schema: dict[str, Any]) -> dict[str, Any]:
+        from pipeline.annotations import check_schema
+
+        check_schema(schema)
+        return schema
+
+    def fields(self) -> list[Any]:
+        """The Arrow fields of the annotation columns, prefixed."""
+        from pipeline.annotations import check_schema
+
+        return [f.with_name(self.column_prefix + f.name) for f in check_schema(self.json_schema)]
+
+
 class JobConfig(_Section):
     name: str = Field(description="Job name, used in the report.")
     input: InputConfig
@@ -84,6 +150,24 @@ class JobConfig(_Section):
     prompt: PromptConfig
     sampling: SamplingConfig = SamplingConfig()
     length: LengthConfig = LengthConfig()
+    passages: PassagesConfig | None = Field(
+        None, description="Split each document into passages, one output row each (knowledge-base ingestion)."
+    )
+    annotations: AnnotationsConfig | None = None
+
+    @model_validator(mode="after")
+    def _annotations_need_one_text(self) -> JobConfig:
+        if self.annotations is not None and self.length.policy == "chunk":
+            raise ValueError("length.policy chunk summarizes in pieces, which annotations cannot follow; "
+                             "use passages (one annotated row per passage) or policy truncate")
+        return self
+
+    def template_fields(self) -> dict[str, set[str]]:
+        """Row columns each template names, by the job key that holds the template."""
+        out = {"prompt.template": self.prompt.fields()}
+        if self.annotations is not None:
+            out["annotations.prompt.template"] = self.annotations.prompt.fields()
+        return out
 
 
 # --- the profile: where and how it runs ---------------------------------------
@@ -113,6 +197,10 @@ class EngineConfig(_Section):
     )
     max_num_seqs: int | None = Field(None, gt=0, description="Most requests the engine runs at once.")
     max_num_batched_tokens: int | None = Field(None, gt=0)
+    structured_outputs_backend: Literal["xgrammar", "guidance"] = Field(
+        "xgrammar", description="Constrained decoding for annotations; any-whitespace JSON is disabled, "
+        "so a weak model cannot pad the JSON with newlines until max tokens."
+    )
     extra: dict[str, Any] = Field(default_factory=dict, description="Passed to vllm.LLM as keyword arguments.")
     startup_backoff: float = Field(
         0.5, gt=0.0, lt=1.0,
@@ -204,6 +292,7 @@ class RunConfig(_Section):
     profile: ProfileConfig
     job_file: str
     profile_file: str
+    date: str | None = None  # the {date} the job's paths were filled with
 
 
 # --- loading ------------------------------------------------------------------
@@ -265,9 +354,13 @@ def _format_errors(error: ValidationError, source_of: dict[str, str]) -> str:
     lines = []
     for err in error.errors():
         loc = ".".join(str(p) for p in err["loc"])
-        msg = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
-        if err["type"] not in ("missing", "extra_forbidden"):
-            msg = f"{msg} (got {err['input']!r})"
+        msg = "unknown field" if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
+        inner = (err.get("ctx") or {}).get("error")
+        if getattr(inner, "path", None):  # a key inside the value, e.g. a JSON Schema's
+            loc, msg = f"{loc}.{inner.path}", msg.removeprefix(f"{inner.path}: ")
+        elif err["type"] not in ("missing", "extra_forbidden"):
+            got = repr(err["input"])
+            msg = f"{msg} (got {got if len(got) <= 80 else got[:77] + '...'})"
         lines.append(f"{_source(loc, source_of)}: {loc}: {msg}")
     return "\n".join(lines)
 
@@ -279,12 +372,46 @@ def _validate(model: type[BaseModel], data: dict[str, Any], source_of: dict[str,
         raise ConfigError(_format_errors(e, source_of)) from None
 
 
+DATE_FIELD = "{date}"
+
+
+def yesterday_utc() -> str:
+    return (datetime.now(timezone.utc).date() - timedelta(days=1)).isoformat()
+
+
+def _fill_date(job: dict[str, Any], date: str | None, job_src: dict[str, str]) -> str | None:
+    """Put the date into input.path and output.path where they say {date}.
+
+    Without `date`, a job that has the placeholder gets yesterday (UTC): the
+    nightly run processes the day that just ended.
+    """
+    sections = [(k, job.get(k)) for k in ("input", "output")]
+    templated = [(k, sec) for k, sec in sections
+                 if isinstance(sec, dict) and isinstance(sec.get("path"), str) and DATE_FIELD in sec["path"]]
+    if not templated:
+        if date is not None:
+            raise ConfigError(f"--date {date}: {job_src['']} has no {DATE_FIELD} in input.path or output.path")
+        return None
+    if date is None:
+        date = yesterday_utc()
+    else:
+        try:
+            if datetime.strptime(date, "%Y-%m-%d").date().isoformat() != date:
+                raise ValueError
+        except ValueError:
+            raise ConfigError(f"--date {date}: expected a day as YYYY-MM-DD, e.g. 2026-11-29") from None
+    for _, sec in templated:
+        sec["path"] = sec["path"].replace(DATE_FIELD, date)
+    return date
+
+
 def load_run_config(
     job_file: str | Path,
     profile_file: str | Path,
     overrides: list[str] | tuple[str, ...] = (),
     input_path: str | None = None,
     output_path: str | None = None,
+    date: str | None = None,
 ) -> RunConfig:
     """Load, merge and check a job and a profile; raise ConfigError naming the culprit."""
     job_file, profile_file = Path(job_file), Path(profile_file)
@@ -310,8 +437,9 @@ def load_run_config(
                 f"{', '.join(sorted(JOB_SECTIONS))}; profile sections: {', '.join(sorted(PROFILE_SECTIONS))}"
             )
 
+    filled = _fill_date(job, date, job_src)
     job_cfg = _validate(JobConfig, job, job_src)
     profile_cfg = _validate(ProfileConfig, profile, profile_src)
     return RunConfig(
-        job=job_cfg, profile=profile_cfg, job_file=str(job_file), profile_file=str(profile_file)
+        job=job_cfg, profile=profile_cfg, job_file=str(job_file), profile_file=str(profile_file), date=filled
     )

@@ -56,6 +56,11 @@ def engine_kwargs(model: str, engine: EngineConfig, seed: int | None) -> dict[st
         "max_num_batched_tokens": engine.max_num_batched_tokens,
     }
     kwargs.update({k: v for k, v in optional.items() if v is not None})
+    # JSON without free whitespace: a weak model otherwise pads it with newlines
+    # until max tokens cut it off (seen with the tiny model: 700 tokens of "\n").
+    kwargs["structured_outputs_config"] = {
+        "backend": engine.structured_outputs_backend, "disable_any_whitespace": True,
+    }
     kwargs.update(engine.extra)
     return kwargs
 
@@ -295,14 +300,20 @@ class VLLMEngine:
 
     # -- driving it --------------------------------------------------------------
 
-    def sampling_params(self, sampling: SamplingConfig) -> Any:
+    def sampling_params(self, sampling: SamplingConfig, max_tokens: int | None = None,
+                        json_schema: dict[str, Any] | None = None) -> Any:
+        """The job's sampling; with `json_schema`, output constrained to that schema."""
         from vllm import SamplingParams
+        from vllm.sampling_params import StructuredOutputsParams
 
         return SamplingParams(
-            max_tokens=sampling.max_new_tokens,
+            max_tokens=max_tokens or sampling.max_new_tokens,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             seed=sampling.seed,
+            structured_outputs=None if json_schema is None else StructuredOutputsParams(
+                json=json_schema, disable_any_whitespace=True
+            ),
         )
 
     def kv_gauges(self) -> tuple[float, int]:

@@ -127,12 +127,17 @@ class EngineFeeder:
     def _preemptions(self) -> int:
         return self.engine.kv_gauges()[1]
 
-    def serve(self, bucket: str, rows: list[tuple[int, list[int]]]) -> ServeResult:
-        """Generate for `rows` (position, prompt token ids), all of one bucket."""
+    def serve(self, bucket: str, rows: list[tuple[int, list[int]]], params: Any = None,
+              max_new_tokens: int | None = None) -> ServeResult:
+        """Generate for `rows` (position, prompt token ids), all of one bucket.
+
+        `params` (with `max_new_tokens`, what they allow) replace the job's
+        sampling for this call: annotations use their own."""
         started = time.monotonic()
         if self.totals.first_start is None:
             self.totals.first_start = started
-        max_new = self.sampling.max_new_tokens
+        own_params = params is None
+        max_new = self.sampling.max_new_tokens if own_params else (max_new_tokens or self.sampling.max_new_tokens)
         queue = deque((pos, ids, len(ids) + max_new) for pos, ids in rows)
         tokens_per_row = sum(c for _, _, c in queue) / max(len(queue), 1)
         first_submit: dict[int, float] = {}
@@ -167,7 +172,7 @@ class EngineFeeder:
                 pos, ids, cost = queue.popleft()
                 now = time.monotonic()
                 try:
-                    request_id = self.engine.submit(ids, self.params)
+                    request_id = self.engine.submit(ids, self.params if own_params else params)
                 except Exception as e:  # the engine refused this prompt alone
                     results[pos] = Completion(None, 0, 0.0, error=f"{type(e).__name__}: {e}")
                     rejected += 1

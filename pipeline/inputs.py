@@ -1,15 +1,23 @@
-"""Find the input files and check them before any model loads.
+"""Find the input and check it before any model loads.
 
-A path can be one Parquet file, a folder (searched recursively for
+Parquet: a path can be one file, a folder (searched recursively for
 `*.parquet`, skipping hidden and `_`-prefixed names) or a glob, on the local
 disk or behind a URI that pyarrow has a filesystem for (s3://, gs://, ...).
 The check reads only Parquet footers: schema and row counts.
+
+Anything `datasets` loads: JSON/JSONL and CSV files (its `json` and `csv`
+builders), a folder written by `Dataset.save_to_disk`, or a hub dataset name.
+Local ones are converted once into `datasets`' memory-mapped Arrow cache and
+handed to Ray Data as Arrow blocks; a hub dataset is streamed through
+`ray.data.from_huggingface`, which reads its Parquet files in parallel.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import glob
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -28,11 +36,29 @@ class InputError(ValueError):
 
 @dataclass(frozen=True)
 class InputFiles:
-    filesystem: pafs.FileSystem
+    filesystem: pafs.FileSystem | None
     paths: list[str]
     schema: pa.Schema
-    rows: int
+    rows: int | None  # unknown for a streamed hub dataset
     skipped: list[dict[str, str]] = field(default_factory=list)
+    format: str = "parquet"
+    dataset: Any = None  # the `datasets` object, for every format but parquet
+
+    def read(self, blocks: int | None = None) -> Any:
+        """The rows as a Ray Dataset (lazy)."""
+        import ray.data
+
+        if self.format == "parquet":
+            return ray.data.read_parquet(self.paths, filesystem=self.filesystem)
+        if self.format == "hub":
+            return ray.data.from_huggingface(self.dataset)
+        # The memory-mapped Arrow table, in slices. (from_huggingface would do the
+        # same after first trying to reload the dataset by name and asking the hub
+        # for Parquet files: a network call, and a stray re-read of local files.)
+        table = self.dataset.with_format("arrow")[:]
+        n = blocks or max(1, min(64, table.num_rows // 2048))
+        step = -(-table.num_rows // n) if table.num_rows else 1
+        return ray.data.from_arrow([table.slice(i, step) for i in range(0, max(table.num_rows, 1), step)])
 
 
 TEXT_TYPES = (pa.types.is_string, pa.types.is_large_string, pa.types.is_binary, pa.types.is_large_binary)
@@ -71,14 +97,8 @@ def list_files(path: str) -> tuple[pafs.FileSystem, list[str]]:
     return fs, files
 
 
-def _check_file(fs: pafs.FileSystem, f: str, id_column: str, text_column: str,
-                template_fields: set[str]) -> tuple[pa.Schema, int]:
-    """Schema and row count from the footer; InputError naming the file and column."""
-    try:
-        meta = pq.ParquetFile(f, filesystem=fs).metadata
-        file_schema = meta.schema.to_arrow_schema()
-    except (OSError, pa.ArrowException) as e:
-        raise InputError(f"{f}: not a readable Parquet file: {e}") from None
+def _check_columns(f: str, file_schema: pa.Schema, id_column: str, text_column: str,
+                   template_fields: dict[str, set[str]], job_file: str | None) -> None:
     for column, role in ((id_column, "id"), (text_column, "text")):
         if column not in file_schema.names:
             raise InputError(
@@ -90,22 +110,109 @@ def _check_file(fs: pafs.FileSystem, f: str, id_column: str, text_column: str,
     id_type = file_schema.field(id_column).type
     if pa.types.is_nested(id_type) or pa.types.is_floating(id_type):
         raise InputError(f"{f}: id column {id_column!r} is {id_type}, expected strings or integers")
-    missing = sorted(template_fields - set(file_schema.names))
-    if missing:
-        raise InputError(
-            f"{f}: the prompt template names {missing}, which are not columns "
-            f"(columns: {', '.join(file_schema.names)})"
-        )
+    for key, names in template_fields.items():
+        missing = sorted(names - set(file_schema.names))
+        if missing:
+            raise InputError(
+                f"{job_file + ': ' if job_file else ''}{key} names {missing}, which are not columns of {f} "
+                f"(columns: {', '.join(file_schema.names)})"
+            )
+
+
+def _check_file(fs: pafs.FileSystem, f: str, id_column: str, text_column: str,
+                template_fields: dict[str, set[str]], job_file: str | None) -> tuple[pa.Schema, int]:
+    """Schema and row count from the footer; InputError naming the file and column."""
+    try:
+        meta = pq.ParquetFile(f, filesystem=fs).metadata
+        file_schema = meta.schema.to_arrow_schema()
+    except (OSError, pa.ArrowException) as e:
+        raise InputError(f"{f}: not a readable Parquet file: {e}") from None
+    _check_columns(f, file_schema, id_column, text_column, template_fields, job_file)
     return file_schema, meta.num_rows
 
 
-def check_inputs(path: str, id_column: str, text_column: str, template_fields: set[str],
-                 on_bad_file: str = "fail") -> InputFiles:
-    """List the files, read their footers, and check the columns the job needs.
+_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv"}
 
-    With `on_bad_file="skip"` a file that fails a check is left out and listed
-    in `skipped`; otherwise the first one stops the run.
+
+def detect_format(path: str) -> str:
+    """parquet, json, csv, saved (a save_to_disk folder) or hub, from the path alone."""
+    base = path.rstrip("/").rsplit("/", 1)[-1].lower()
+    for ext, builder in _BUILDERS.items():
+        if base.endswith(ext) or base.endswith(ext + ".gz"):
+            return builder
+    if "://" not in path:
+        local = Path(path)
+        if local.is_dir() and any((local / n).exists() for n in ("dataset_info.json", "dataset_dict.json")):
+            return "saved"
+        if not local.exists() and not any(ch in path for ch in _WILDCARDS) and \
+                path.count("/") == 1 and not path.startswith((".", "/")):
+            return "hub"  # owner/name, and no such local path
+    return "parquet"
+
+
+def _load_dataset(path: str, fmt: str, split: str, subset: str | None) -> Any:
+    """The `datasets` object for a non-Parquet input; InputError naming the path."""
+    try:
+        import datasets
+    except ImportError:  # pragma: no cover - a dependency
+        raise InputError(f"{path}: reading {fmt} input needs the `datasets` package") from None
+    datasets.disable_progress_bars()
+    try:
+        if fmt == "saved":
+            ds = datasets.load_from_disk(path)
+            if isinstance(ds, datasets.DatasetDict):
+                if split not in ds:
+                    raise InputError(f"{path}: no split {split!r} (splits: {', '.join(ds)}); set input.split")
+                ds = ds[split]
+            return ds
+        if fmt == "hub":
+            return datasets.load_dataset(path, subset, split=split, streaming=True)
+        if "://" in path:
+            files: Any = path
+        else:
+            if any(ch in path for ch in _WILDCARDS):
+                files = sorted(glob.glob(path, recursive=True))
+            elif Path(path).is_dir():
+                files = sorted(str(p) for p in Path(path).rglob("*")
+                               if p.suffix.lower() in _BUILDERS and not p.name.startswith((".", "_")))
+            else:
+                files = [path] if Path(path).exists() else []
+            if not files:
+                raise InputError(f"{path}: no such file or folder, or no {fmt} files in it")
+        return datasets.load_dataset(fmt, data_files=files, split=split)
+    except InputError:
+        raise
+    except Exception as e:  # datasets raises many kinds; all mean "cannot read this input"
+        hint = " (is the network reachable? hub datasets need it)" if fmt == "hub" else ""
+        raise InputError(f"{path}: cannot load as {fmt}{hint}: {type(e).__name__}: {e}") from None
+
+
+def _dataset_schema(ds: Any) -> pa.Schema:
+    features = ds.features
+    if features is None:  # a streamed dataset whose schema is known only once read
+        features = next(iter(ds.take(1).with_format("arrow").iter(batch_size=1))).schema
+        return features
+    return features.arrow_schema
+
+
+def check_inputs(path: str, id_column: str, text_column: str,
+                 template_fields: dict[str, set[str]] | set[str], on_bad_file: str = "fail",
+                 fmt: str = "auto", split: str = "train", subset: str | None = None,
+                 job_file: str | None = None) -> InputFiles:
+    """Find the input, read its schema, and check the columns the job needs.
+
+    Parquet: with `on_bad_file="skip"` a file that fails a check is left out
+    and listed in `skipped`; otherwise the first one stops the run.
     """
+    if isinstance(template_fields, set):
+        template_fields = {"prompt.template": template_fields}
+    fmt = detect_format(path) if fmt == "auto" else fmt
+    if fmt != "parquet":
+        ds = _load_dataset(path, fmt, split, subset)
+        ds_schema = _dataset_schema(ds)
+        _check_columns(path, ds_schema, id_column, text_column, template_fields, job_file)
+        rows = len(ds) if hasattr(ds, "__len__") else None
+        return InputFiles(None, [path], ds_schema, rows, format=fmt, dataset=ds)
     fs, files = list_files(path)
     schema: pa.Schema | None = None  # set by the first good file
     rows = 0
@@ -113,7 +220,7 @@ def check_inputs(path: str, id_column: str, text_column: str, template_fields: s
     skipped: list[dict[str, str]] = []
     for f in files:
         try:
-            file_schema, n = _check_file(fs, f, id_column, text_column, template_fields)
+            file_schema, n = _check_file(fs, f, id_column, text_column, template_fields, job_file)
             if schema is not None and not schema.equals(file_schema):
                 try:  # unify_schemas raises on incompatible types, naming the field
                     file_schema = pa.unify_schemas([schema, file_schema])
@@ -136,11 +243,17 @@ def duplicate_ids(inputs: InputFiles, id_column: str, show: int = 5) -> tuple[in
     """How many ids occur more than once (nulls aside), and a few of them.
 
     Reads only the id column. Ids must be unique for output to be checked
-    against input and for runs to be resumed.
+    against input and for runs to be resumed. A streamed hub dataset is not
+    checked here (it would mean reading it twice).
     """
-    ids = pa.chunked_array(
-        [pq.read_table(f, columns=[id_column], filesystem=inputs.filesystem).column(0) for f in inputs.paths]
-    )
+    if inputs.format == "hub":
+        return 0, []
+    if inputs.format != "parquet":
+        ids = inputs.dataset.with_format("arrow")[:][id_column]
+    else:
+        ids = pa.chunked_array(
+            [pq.read_table(f, columns=[id_column], filesystem=inputs.filesystem).column(0) for f in inputs.paths]
+        )
     counts = pc.value_counts(ids.drop_null())
     repeated = counts.filter(pc.greater(counts.field("counts"), 1))
     return len(repeated), repeated.field("values").to_pylist()[:show]

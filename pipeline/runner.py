@@ -1,10 +1,11 @@
 """Wire the stages onto Ray Data and run one job: read, prepare, group, generate, write, report.
 
-    read_parquet -> PrepareStage (actors) -> sort by bucket -> GenerateStage (one
-    engine per actor) -> ParquetPartsSink -> _report.json
+    read (Parquet, or `datasets`) -> PrepareStage (actors) -> sort by bucket ->
+    GenerateStage (one engine per actor) -> ParquetPartsSink -> _report.json -> publish
 
 Everything that can be checked without a model (config, input files, columns,
-template fields) is checked before Ray starts.
+template fields, annotation schema) is checked before Ray starts. The output
+appears whole, report included, or not at all (see `pipeline.sink`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 import os
 import time
 import uuid
+from collections import Counter
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -26,7 +28,7 @@ from pipeline.config import RunConfig
 from pipeline.engine import engine_kwargs
 from pipeline.inputs import InputError, check_inputs, duplicate_ids
 from pipeline.plots import plot_trajectories
-from pipeline.report import build_report, write_beside, write_report
+from pipeline.report import REPORT_NAME, build_report, write_beside, write_report
 from pipeline.stages.prepare import context_limit
 
 log = logging.getLogger(__name__)
@@ -72,7 +74,7 @@ def prepared(config: RunConfig, inputs: Any, prepare: dict[str, Any]) -> Any:
 
     from pipeline.stages.prepare import PrepareStage
 
-    return ray.data.read_parquet(inputs.paths, filesystem=inputs.filesystem).map_batches(
+    return inputs.read().map_batches(
         PrepareStage,
         fn_constructor_kwargs=prepare,
         batch_size=config.profile.batching.prepare_batch_rows,
@@ -110,7 +112,8 @@ def run_job(config: RunConfig, run_id: str | None = None) -> dict[str, Any]:
 
     # 1. Checks that need no model and no cluster.
     inputs = check_inputs(
-        job.input.path, job.input.id_column, job.input.text_column, job.prompt.fields(), job.input.on_bad_file
+        job.input.path, job.input.id_column, job.input.text_column, job.template_fields(), job.input.on_bad_file,
+        fmt=job.input.format, split=job.input.split, subset=job.input.subset, job_file=config.job_file,
     )
     repeated, examples = duplicate_ids(inputs, job.input.id_column)
     if repeated:
@@ -118,7 +121,12 @@ def run_job(config: RunConfig, run_id: str | None = None) -> dict[str, Any]:
             f"{job.input.path}: {repeated} ids occur more than once in column {job.input.id_column!r}, "
             f"e.g. {', '.join(map(repr, examples))}; ids must be unique so every row can be accounted for"
         )
-    out_schema = schema.output_schema(inputs.schema, job.input.id_column, job.input.text_column)
+    annotation_fields = job.annotations.fields() if job.annotations else []
+    try:
+        out_schema = schema.output_schema(inputs.schema, job.input.id_column, job.input.text_column,
+                                          passages=job.passages is not None, annotation_fields=annotation_fields)
+    except ValueError as e:
+        raise InputError(f"{config.job_file}: {job.input.path}: {e}") from None
     model_path = resolve_model(config)
     max_model_len = context_limit(model_path, profile.engine.max_model_len)
     bucketer = LengthBucketer(profile.batching.bucket_boundaries)
@@ -154,6 +162,21 @@ def run_job(config: RunConfig, run_id: str | None = None) -> dict[str, Any]:
     )
     sink = ParquetPartsSink(job.output.path, run_id, out_schema)
     ds.write_datasink(sink)
+    try:
+        report = _finish(config, sink, run_id, inputs, started, started_at, model_path, max_model_len,
+                         bucketer, limits_key, start_limits, percentile_cap)
+    except BaseException:
+        sink.discard()
+        raise
+    sink.publish()
+    return report
+
+
+def _finish(config: RunConfig, sink: Any, run_id: str, inputs: Any, started: float, started_at: str,
+            model_path: str, max_model_len: int, bucketer: LengthBucketer, limits_key: str,
+            start_limits: Any, percentile_cap: int | None) -> dict[str, Any]:
+    """Build the report from what was written, and put it (and the plot) beside the parts."""
+    job, profile = config.job, config.profile
     if sink.summary is None:
         raise RuntimeError("the write finished without reporting what it wrote")
 
@@ -168,7 +191,19 @@ def run_job(config: RunConfig, run_id: str | None = None) -> dict[str, Any]:
         engine_settings=engine_kwargs(model_path, profile.engine, job.sampling.seed),
         bucket_order=bucketer.names,
     )
-    report["input_files"] = {"read": len(inputs.paths), "skipped": inputs.skipped}
+    report["date"] = config.date
+    report["input_files"] = {"format": inputs.format, "read": len(inputs.paths), "skipped": inputs.skipped}
+    if job.passages is not None:
+        report["passages"] = {**job.passages.model_dump(), "documents_in": inputs.rows,
+                              "passages_out": sink.summary["rows"]}
+    if job.annotations is not None:
+        kinds = Counter(c.get("kind") for c in report["engine_calls"])
+        retried = sum(c.get("rows", 0) for c in report["engine_calls"] if c.get("kind") == "annotations-retry")
+        report["annotations"] = {
+            "columns": [f"{f.name}: {f.type}" for f in job.annotations.fields()],
+            "valid": report["status"].get("ok", 0), "invalid_output": report["status"].get("invalid_output", 0),
+            "retried": retried, "calls": kinds.get("annotations", 0) + kinds.get("annotations-retry", 0),
+        }
     report["length"] = {**job.length.model_dump(), "percentile_cap_tokens": percentile_cap,
                         "truncated": sink.summary["truncated"], "chunked": sink.summary["chunked"]}
     report["batching"]["learned_limits"] = {"path": profile.batching.learned_limits, "key": limits_key,
@@ -179,6 +214,10 @@ def run_job(config: RunConfig, run_id: str | None = None) -> dict[str, Any]:
             learned.save_limits(profile.batching.learned_limits, limits_key, limits)
             report["batching"]["learned_limits"]["saved"] = limits
     png = plot_trajectories(report)
-    report["plot_path"] = write_beside(job.output.path, PLOT_NAME, png) if png else None
-    report["report_path"] = write_report(job.output.path, report)
+    final = sink.output.rstrip("/")
+    report["plot_path"] = f"{final}/{PLOT_NAME}" if png else None
+    report["report_path"] = f"{final}/{REPORT_NAME}"
+    if png:
+        write_beside(sink.root, PLOT_NAME, png)
+    write_report(sink.root, report)
     return report

@@ -22,6 +22,9 @@ class Status(StrEnum):
     ERROR = "error"
     # Longer than the model's context under `length.policy: skip`.
     SKIPPED_TOO_LONG = "skipped_too_long"
+    # The annotation JSON did not validate against the job's schema, even after one
+    # retry with more room; `raw_output` keeps the text and `error` says what failed.
+    INVALID_OUTPUT = "invalid_output"
 
 
 # Columns the pipeline adds to every output row, in output order.
@@ -42,32 +45,53 @@ GENERATED_FIELDS: tuple[pa.Field, ...] = (
 )
 GENERATED_COLUMNS: tuple[str, ...] = tuple(f.name for f in GENERATED_FIELDS)
 
+# Knowledge-base ingestion (`passages:` in the job): one row per passage, after the id.
+# text[char_start:char_end] of the source document is exactly `passage`.
+PASSAGE_FIELDS: tuple[pa.Field, ...] = (
+    pa.field("passage_index", pa.int32()),  # 0, 1, ... within the document; null if the document failed
+    pa.field("char_start", pa.int64()),
+    pa.field("char_end", pa.int64()),
+    pa.field("passage", pa.string()),
+)
+# With `annotations:` in the job, the schema's columns follow `summary`, then this one.
+RAW_OUTPUT = pa.field("raw_output", pa.string())  # the model's text when it did not validate
+
 # Working columns that travel between stages and never reach the output. The
 # leading underscore marks them; `output_schema` refuses input columns that use it.
 PROMPT_TOKEN_IDS = "_prompt_token_ids"
 CHUNK_TEXTS = "_chunk_texts"  # under `length.policy: chunk`: the windows' text
 BUCKET_INDEX = "_bucket_index"
 ENGINE_CALL = "_engine_call"
+ANNOTATION_TOKEN_IDS = "_annotation_token_ids"
 INTERNAL_PREFIX = "_"
 
 
-def output_schema(input_schema: pa.Schema, id_column: str, text_column: str) -> pa.Schema:
-    """The output schema for an input schema: id, passthrough, then generated.
+def output_schema(input_schema: pa.Schema, id_column: str, text_column: str, passages: bool = False,
+                  annotation_fields: tuple[pa.Field, ...] | list[pa.Field] = ()) -> pa.Schema:
+    """The output schema for an input schema: id, [passage], passthrough, then generated.
 
     The text column is passthrough too: users join summaries to their source,
-    and dropping it would make them read the corpus twice.
+    and dropping it would make them read the corpus twice. With passages, the
+    document's text is not repeated on every passage row; `passage` holds the
+    row's own text and the offsets locate it in the document.
     """
     if id_column not in input_schema.names:
         raise KeyError(f"id column {id_column!r} is not in the input ({input_schema.names})")
-    clash = [n for n in input_schema.names if n in GENERATED_COLUMNS or n.startswith(INTERNAL_PREFIX)]
+    generated = list(GENERATED_FIELDS)
+    if annotation_fields:
+        generated[1:1] = [*annotation_fields, RAW_OUTPUT]
+    added = [f.name for f in generated] + ([f.name for f in PASSAGE_FIELDS] if passages else [])
+    clash = [n for n in input_schema.names if n in added or n.startswith(INTERNAL_PREFIX)]
     if clash:
         raise ValueError(
             f"input columns {clash} collide with columns the pipeline writes "
-            f"({', '.join(GENERATED_COLUMNS)}) or use the reserved '_' prefix; rename them"
+            f"({', '.join(added)}) or use the reserved '_' prefix; rename them"
+            + (" or set annotations.column_prefix" if set(clash) & {f.name for f in annotation_fields} else "")
         )
     id_field = input_schema.field(id_column)
-    passthrough = [f for f in input_schema if f.name != id_column]
-    return pa.schema([id_field, *passthrough, *GENERATED_FIELDS])
+    dropped = {id_column, text_column} if passages else {id_column}
+    passthrough = [f for f in input_schema if f.name not in dropped]
+    return pa.schema([id_field, *(PASSAGE_FIELDS if passages else ()), *passthrough, *generated])
 
 
 def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:

@@ -1,7 +1,8 @@
 """Generate: one vLLM engine per actor, fed one length bucket at a time.
 
 Input: prepared rows (see `prepare`). Output: the same rows with `summary`,
-`output_tokens`, `latency_s`, `model` and `run_id` filled in, and two working
+`output_tokens`, `latency_s`, `model` and `run_id` filled in (and, when the job
+annotates, one typed column per annotation property and `raw_output`), and two working
 columns for the report: `_engine_call` (which engine call served the row) and
 `_engine_call_stats` (the batch's engine-call records as a JSON list, on its
 first row). Rows that arrive with another status than `ok` pass through
@@ -11,6 +12,12 @@ summarized map-reduce: each window, then the joined summaries, recursively.
 An *engine call* is one bucket's run of rows within a batch: the feeder keeps
 the engine full with them, admitting rows as others finish, and never mixes
 buckets in one call.
+
+Annotations are a second call per bucket, constrained by vLLM structured
+outputs to the job's JSON Schema. Each output is parsed and validated; the
+rows that fail are retried once with more room (max tokens cutting the JSON
+off is the usual cause), and a row that fails again gets status
+`invalid_output` with its text kept in `raw_output`.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from typing import Any
 import pyarrow as pa
 
 from pipeline import schema
+from pipeline.annotations import AnnotationParser
 from pipeline.batching import BatchPolicy, FixedBatchPolicy
 from pipeline.bucketing import LengthBucketer
 from pipeline.config import RunConfig
@@ -85,6 +93,8 @@ class GenerateStage:
         self.model_path = model_path
         self.bucketer = LengthBucketer(config.profile.batching.bucket_boundaries)
         self.prep: PrepareStage | None = None  # tokenizer for map-reduce prompts, loaded on first need
+        self.annotations = config.job.annotations
+        self.parser = None if self.annotations is None else AnnotationParser(self.annotations.json_schema)
 
     def engine_info(self) -> dict[str, Any]:
         return {
@@ -112,8 +122,9 @@ class GenerateStage:
         }
 
     def _serve(self, bucket: str, items: list[tuple[int, list[int]]], records: list[dict[str, Any]],
-               kind: str = "rows") -> tuple[str, dict[int, Any]]:
-        served = self.feeder.serve(bucket, items)
+               kind: str = "rows", params: Any = None, max_new_tokens: int | None = None
+               ) -> tuple[str, dict[int, Any]]:
+        served = self.feeder.serve(bucket, items, params, max_new_tokens)
         call_id = f"{self.actor}-{self.calls:05d}"
         record = {"call": call_id, "kind": kind, **served.record, "actor": self.actor_totals()}
         if self.calls == 0:
@@ -167,6 +178,36 @@ class GenerateStage:
         spans = windows(offsets, text, room, min(self.config.job.length.chunk_overlap, room // 4))
         return [text[a:b] for a, b in (char_span(offsets, s, e) for s, e in spans)]
 
+    def _annotate(self, bucket: str, members: list[int], token_ids: list[list[int] | None],
+                  records: list[dict[str, Any]]) -> dict[int, tuple[Completion, dict[str, Any] | None, str | None]]:
+        """Structured annotations for `members`: (last completion, parsed value, why it is invalid)."""
+        assert self.annotations is not None and self.parser is not None
+        sampling = self.config.job.sampling
+        first = self.annotations.max_new_tokens
+        params = self.engine.sampling_params(sampling, max_tokens=first, json_schema=self.annotations.json_schema)
+        _, done = self._serve(bucket, [(i, token_ids[i]) for i in members], records, "annotations", params, first)
+        out = {i: (c, *self.parser.parse(c.text)) for i, c in done.items() if c.error is None}
+        failed = {i: c for i, c in done.items() if c.error is not None}
+
+        # One retry with more room for the outputs that did not validate.
+        retry = [i for i, (_, value, _) in out.items() if value is None]
+        if retry:
+            longest = max(len(token_ids[i]) for i in retry)
+            room = min(self.annotations.retry_max_new_tokens or 2 * first, self.engine.max_model_len - longest)
+            if room > first:
+                params = self.engine.sampling_params(sampling, max_tokens=room,
+                                                     json_schema=self.annotations.json_schema)
+                _, again = self._serve(bucket, [(i, token_ids[i]) for i in retry], records,
+                                       "annotations-retry", params, room)
+                for i, c in again.items():
+                    spent = out[i][0].output_tokens
+                    merged = Completion(c.text, c.output_tokens + spent, c.latency_s + out[i][0].latency_s,
+                                        c.finish_reason, c.error)
+                    out[i] = (merged, None, c.error) if c.error else (merged, *self.parser.parse(c.text))
+        for i, c in failed.items():
+            out[i] = (c, None, None)
+        return out
+
     def __call__(self, batch: pa.Table) -> pa.Table:
         n = batch.num_rows
         status = batch.column("status").to_pylist()
@@ -179,6 +220,10 @@ class GenerateStage:
         latency: list[float | None] = [None] * n
         call_of: list[str | None] = [None] * n
         records: list[dict[str, Any]] = []
+        annotating = self.annotations is not None
+        annotation_ids = batch.column(schema.ANNOTATION_TOKEN_IDS).to_pylist() if annotating else []
+        values: list[dict[str, Any] | None] = [None] * n
+        raw: list[str | None] = [None] * n
 
         def settle(i: int, c: Completion) -> None:
             latency[i], output_tokens[i] = c.latency_s, c.output_tokens
@@ -194,6 +239,18 @@ class GenerateStage:
             for i in members:
                 call_of[i] = call_id
                 settle(i, completions[i])
+            if not annotating:
+                continue
+            todo = [i for i in members if status[i] == Status.OK and annotation_ids[i] is not None]
+            for i, (c, value, invalid) in self._annotate(bucket, todo, annotation_ids, records).items():
+                output_tokens[i] += c.output_tokens
+                latency[i] = (latency[i] or 0.0) + c.latency_s
+                if c.error is not None:
+                    status[i], error[i] = Status.ERROR.value, f"annotations: {c.error}"
+                elif value is None:
+                    status[i], error[i], raw[i] = Status.INVALID_OUTPUT.value, invalid, c.text
+                else:
+                    values[i] = value
 
         # 2. Documents too long for one prompt, under `length.policy: chunk`.
         chunked = [i for i in range(n) if status[i] == Status.OK and chunk_texts[i] is not None]
@@ -206,9 +263,12 @@ class GenerateStage:
         call_stats: list[str | None] = [None] * n
         if records and n:
             call_stats[0] = json.dumps(records)
-        out = batch.drop_columns([schema.PROMPT_TOKEN_IDS, schema.CHUNK_TEXTS, "status", "error"])
+        out = batch.drop_columns([schema.PROMPT_TOKEN_IDS, schema.CHUNK_TEXTS, "status", "error",
+                                  *([schema.ANNOTATION_TOKEN_IDS] if annotating else [])])
         columns = {
             "summary": pa.array(summary, pa.string()),
+            **(self.parser.columns(values, self.annotations.column_prefix) if annotating else {}),
+            **({schema.RAW_OUTPUT.name: pa.array(raw, pa.string())} if annotating else {}),
             "output_tokens": pa.array(output_tokens, pa.int32()),
             "status": pa.array(status, pa.string()),
             "error": pa.array(error, pa.string()),

@@ -3,9 +3,15 @@
 Input: a batch of corpus rows. Output: the same rows, plus `prompt_tokens`,
 `truncated`, `original_tokens`, `chunks`, `bucket`, `status`, `error`,
 `notes` and the working columns `_prompt_token_ids`, `_chunk_texts` and
-`_bucket_index`. A row that cannot be prompted (a null id; text that is null,
-empty, whitespace or not a string) leaves here with status `error` and its
-reason, and is carried to the output without reaching the engine.
+`_bucket_index` (and `_annotation_token_ids` when the job annotates). A row
+that cannot be prompted (a null id; text that is null, empty, whitespace or
+not a string) leaves here with status `error` and its reason, and is carried
+to the output without reaching the engine.
+
+With `passages:` in the job, each document first becomes one row per passage
+(token windows with overlap, ending at paragraph or sentence breaks where
+possible): the text column is replaced by `passage`, `passage_index`,
+`char_start` and `char_end`, and everything after works on passages.
 """
 
 from __future__ import annotations
@@ -70,6 +76,8 @@ class _Row:
     chunk_texts: list[str] | None = None
     prompt_tokens: int | None = None  # null when the row was never tokenized
     bucket_tokens: int = 0  # what the row is bucketed by: its prompt, or its windows' prompts
+    prompt_text: str | None = None  # the text the prompt was rendered with, when truncation changed it
+    annotation_ids: list[int] | None = None
 
     def fail(self, status: Status, message: str) -> None:
         self.status, self.error, self.ids = status.value, message, []
@@ -114,6 +122,12 @@ class PrepareStage:
         # The chat template spells out its special tokens; adding them again
         # would double the BOS.
         self.add_special_tokens = not self.renderer.chat
+        self.passages = config.job.passages
+        annotations = config.job.annotations
+        self.annotator = None if annotations is None else PromptRenderer(
+            self.tokenizer, annotations.prompt.template, annotations.prompt.system
+        )
+        self.max_annotation_prompt = max_model_len - (annotations.max_new_tokens if annotations else 0)
 
     def encode(self, prompts: list[str]) -> list[list[int]]:
         if not prompts:
@@ -123,20 +137,70 @@ class PrepareStage:
     def render(self, row: dict[str, Any], text: str) -> str:
         return self.renderer.render({**row, self.text_column: text})
 
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        rows = batch.to_pylist()
-        work = [_Row() for _ in rows]
+    def _check(self, row: dict[str, Any]) -> _Row:
+        """Bad rows become error rows with a reason; nothing here raises."""
+        w = _Row()
+        if row.get(self.id_column) is None:
+            w.fail(Status.ERROR, f"{self.id_column} is null")
+            return w
+        w.text, problem, w.notes = _as_text(row.get(self.text_column))
+        if problem is None and not w.text.strip():
+            problem = "text is empty" if not w.text else "text is whitespace only"
+        if problem is not None:
+            w.fail(Status.ERROR, problem)
+        return w
 
-        # 1. Bad rows become error rows with a reason; nothing here raises.
-        for row, w in zip(rows, work):
-            if row.get(self.id_column) is None:
-                w.fail(Status.ERROR, f"{self.id_column} is null")
+    def split_passages(self, text: str) -> list[tuple[int, int]]:
+        """Character spans [start, end) of the passages of `text`: token windows of
+        `passages.tokens` with `passages.overlap`, trimmed of surrounding whitespace."""
+        assert self.passages is not None
+        _, offsets = self.text_tokens(text)
+        spans = []
+        for s, e in windows(offsets, text, self.passages.tokens, self.passages.overlap):
+            a, b = char_span(offsets, s, e)
+            while a < b and text[a].isspace():
+                a += 1
+            while b > a and text[b - 1].isspace():
+                b -= 1
+            if a < b:
+                spans.append((a, b))
+        return spans
+
+    def _explode(self, batch: pa.Table, work: list[_Row]) -> tuple[pa.Table, list[_Row]]:
+        """One row per passage; a document that failed its checks stays one row."""
+        take: list[int] = []
+        out: list[_Row] = []
+        index: list[int | None] = []
+        spans: list[tuple[int | None, int | None]] = []
+        for i, w in enumerate(work):
+            if w.status != Status.OK:
+                take.append(i)
+                out.append(w)
+                index.append(None)
+                spans.append((None, None))
                 continue
-            w.text, problem, w.notes = _as_text(row.get(self.text_column))
-            if problem is None and not w.text.strip():
-                problem = "text is empty" if not w.text else "text is whitespace only"
-            if problem is not None:
-                w.fail(Status.ERROR, problem)
+            for k, (a, b) in enumerate(self.split_passages(w.text)):
+                take.append(i)
+                out.append(_Row(text=w.text[a:b], notes=w.notes))
+                index.append(k)
+                spans.append((a, b))
+        exploded = batch.take(pa.array(take, pa.int64())).drop_columns([self.text_column])
+        columns = {
+            "passage_index": pa.array(index, pa.int32()),
+            "char_start": pa.array([a for a, _ in spans], pa.int64()),
+            "char_end": pa.array([b for _, b in spans], pa.int64()),
+            "passage": pa.array([w.text if w.status == Status.OK else None for w in out], pa.string()),
+        }
+        for name, values in columns.items():
+            exploded = exploded.append_column(name, values)
+        return exploded, out
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        # 1. Bad rows become error rows with a reason; with passages, documents become passages.
+        work = [self._check(row) for row in batch.to_pylist()]
+        if self.passages is not None:
+            batch, work = self._explode(batch, work)
+        rows = batch.to_pylist()
         valid = [i for i, w in enumerate(work) if w.status == Status.OK]
 
         # 2. Render and tokenize the batch in one call (the fast tokenizer parallelises it).
@@ -171,7 +235,21 @@ class PrepareStage:
             else:
                 self._chunk(w, cap, overhead[i])
 
-        # 4. Bucket; a row never tokenized has no bucket (index 0 only orders it).
+        # 4. The annotation prompt, over the same (possibly truncated) text.
+        if self.annotator is not None:
+            todo = [i for i in valid if work[i].status == Status.OK and work[i].chunk_texts is None]
+            texts = [work[i].prompt_text or work[i].text for i in todo]
+            prompts = [self.annotator.render({**rows[i], self.text_column: t}) for i, t in zip(todo, texts)]
+            for i, ids in zip(todo, self.encode(prompts)):
+                w = work[i]
+                if len(ids) > self.max_annotation_prompt:
+                    w.fail(Status.ERROR, f"the annotation prompt is {len(ids)} tokens; the context fits "
+                                         f"{self.max_annotation_prompt} with annotations.max_new_tokens left")
+                    continue
+                w.annotation_ids = ids
+                w.bucket_tokens = max(w.bucket_tokens, len(ids))
+
+        # 5. Bucket; a row never tokenized has no bucket (index 0 only orders it).
         index = [self.bucketer.index(w.bucket_tokens) for w in work]
         columns: dict[str, pa.Array] = {
             "prompt_tokens": pa.array([w.prompt_tokens for w in work], pa.int32()),
@@ -187,6 +265,8 @@ class PrepareStage:
             schema.PROMPT_TOKEN_IDS: pa.array([w.ids for w in work], pa.list_(pa.int32())),
             schema.CHUNK_TEXTS: pa.array([w.chunk_texts for w in work], pa.list_(pa.string())),
         }
+        if self.annotator is not None:
+            columns[schema.ANNOTATION_TOKEN_IDS] = pa.array([w.annotation_ids for w in work], pa.list_(pa.int32()))
         for name, values in columns.items():
             batch = batch.append_column(name, values)
         return batch
@@ -213,7 +293,7 @@ class PrepareStage:
                 limit = min(limit, max(self.cap_prompt_tokens, len(prompt) - len(kept) + 1))
             excess = len(prompt) - limit
             if excess <= 0 and (self.max_text_tokens is None or len(kept) <= self.max_text_tokens):
-                w.ids, w.truncated = prompt, True
+                w.ids, w.truncated, w.prompt_text = prompt, True, text
                 w.prompt_tokens = w.bucket_tokens = len(prompt)
                 return
             cap -= max(excess, 1) + 1

@@ -22,6 +22,7 @@ from tests.conftest import REPO
 
 ROWS = 200
 MAX_NEW_TOKENS = 16
+DATE = "2026-11-01"  # the shared run is the nightly job's partition for this day
 
 
 @dataclass
@@ -55,11 +56,12 @@ def sample_corpus(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def job_run(tmp_path_factory, tiny_model) -> JobRun:
     tmp = tmp_path_factory.mktemp("job")
-    corpus_path = write_corpus(tmp / "corpus.parquet", rows=ROWS, seed=11)
-    output = tmp / "out"
+    corpus_path = write_corpus(tmp / "in" / f"dt={DATE}" / "corpus.parquet", rows=ROWS, seed=11)
+    output = tmp / "out" / f"dt={DATE}"
     result = run_cli(
-        REPO / "jobs/nightly_summarize.yaml", REPO / "conf/local.yaml",
-        "--input", str(corpus_path), "--output", str(output),
+        REPO / "jobs/nightly_summarize.yaml", REPO / "conf/local.yaml", "--date", DATE,
+        # {date} in paths given on the command line is filled in too.
+        "--input", str(tmp / "in" / "dt={date}"), "--output", str(tmp / "out" / "dt={date}"),
         "--set", f"model.name={tiny_model}",
         "--set", f"sampling.max_new_tokens={MAX_NEW_TOKENS}",
         # Small batches: many engine calls, batches that straddle buckets.

@@ -1,5 +1,7 @@
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 
 from pipeline.config import ConfigError, load_run_config, parse_override
@@ -79,3 +81,55 @@ def test_a_job_file_cannot_hold_profile_sections(tmp_path):
     job = write(tmp_path, "j.yaml", JOB.read_text() + "engine: {dtype: float32}\n")
     with pytest.raises(ConfigError, match=r"j.yaml: engine: unknown field"):
         load_run_config(job, LOCAL)
+
+
+# --- issue 5: job-file checks that name the file and the key ------------------
+
+KB = REPO / "jobs/kb_ingest.yaml"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("annotations.schema.properties.title.type=strin",
+     r"annotations\.schema\.properties\.title\.type: not valid JSON Schema"),
+    ("annotations.schema.properties.entities.items.properties={}",
+     r"annotations\.schema\.properties\.entities\.items: an object needs `properties`"),
+    ("annotations.schema.properties.tags={type: array}",
+     r"annotations\.schema\.properties\.tags: an array needs `items`"),
+    ("annotations.schema.properties.n={type: [string, integer]}",
+     r"annotations\.schema\.properties\.n: type \['string', 'integer'\] mixes types"),
+    ("annotations.schema.type=array", r"annotations\.schema\.type: the annotation schema must describe an object"),
+    ("prompt.template=Summarize {text", r"prompt\.template: not a valid template"),
+    ("annotations.prompt.template=Tag {}", r"annotations\.prompt\.template: positional fields"),
+    ("passages.overlap=300", r"passages: overlap \(300\) must be smaller than tokens \(256\)"),
+    ("length.policy=chunk", r"length\.policy chunk summarizes in pieces"),
+])
+def test_bad_job_files_name_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_run_config(KB, REPO / "conf/local.yaml", [override])
+
+
+def test_schema_errors_name_the_job_file(tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text(KB.read_text().replace("maxItems: 5}", "maxItems: 5}\n      extra: {type: object}"))
+    with pytest.raises(ConfigError, match=rf"{job}: annotations\.schema\.properties\.extra: an object needs"):
+        load_run_config(job, REPO / "conf/local.yaml")
+
+
+def test_annotation_columns_follow_the_schema_types():
+    fields = {f.name: f.type for f in load_run_config(KB, REPO / "conf/local.yaml").job.annotations.fields()}
+    assert fields["title"] == pa.string()
+    assert fields["entities"] == pa.list_(pa.struct([("name", pa.string()), ("type", pa.string())]))
+    prefixed = load_run_config(KB, REPO / "conf/local.yaml", ["annotations.column_prefix=ann_"])
+    assert [f.name for f in prefixed.job.annotations.fields()][:2] == ["ann_title", "ann_keywords"]
+
+
+def test_date_fills_the_nightly_paths():
+    cfg = load_run_config(REPO / "jobs/nightly_summarize.yaml", REPO / "conf/local.yaml", date="2026-11-29")
+    assert cfg.date == "2026-11-29"
+    assert cfg.job.input.path.endswith("dt=2026-11-29") and cfg.job.output.path.endswith("dt=2026-11-29")
+    default = load_run_config(REPO / "jobs/nightly_summarize.yaml", REPO / "conf/local.yaml")
+    assert default.date == (datetime.now(timezone.utc).date() - timedelta(days=1)).isoformat()
+    with pytest.raises(ConfigError, match=r"--date 2026-02-30: expected a day as YYYY-MM-DD"):
+        load_run_config(REPO / "jobs/nightly_summarize.yaml", REPO / "conf/local.yaml", date="2026-02-30")
+    with pytest.raises(ConfigError, match=r"--date 2026-11-29: .*kb_ingest.yaml has no \{date\}"):
+        load_run_config(KB, REPO / "conf/local.yaml", date="2026-11-29")

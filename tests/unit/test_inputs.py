@@ -1,8 +1,11 @@
+import json
+
 import pyarrow as pa
+import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.inputs import InputError, check_inputs, list_files
+from pipeline.inputs import InputError, check_inputs, detect_format, duplicate_ids, list_files
 
 
 def table(n=3, **extra):
@@ -34,8 +37,8 @@ def test_errors_name_file_and_column(tmp_path):
     pq.write_table(table(), f)
     with pytest.raises(InputError, match=rf"{f}: id column 'doc_id' is missing"):
         check_inputs(str(f), "doc_id", "text", set())
-    with pytest.raises(InputError, match=rf"{f}: the prompt template names \['title'\]"):
-        check_inputs(str(f), "id", "text", {"text", "title"})
+    with pytest.raises(InputError, match=rf"jobs/x.yaml: prompt.template names \['title'\], which are not columns of {f}"):
+        check_inputs(str(f), "id", "text", {"prompt.template": {"text", "title"}}, job_file="jobs/x.yaml")
     g = tmp_path / "g.parquet"
     pq.write_table(pa.table({"id": ["a"], "text": [1]}), g)
     with pytest.raises(InputError, match=rf"{g}: text column .text. is int64, expected string \(or binary\)"):
@@ -45,4 +48,71 @@ def test_errors_name_file_and_column(tmp_path):
     with pytest.raises(InputError, match=rf"{corrupt}: not a readable Parquet file"):
         check_inputs(str(corrupt), "id", "text", set())
     with pytest.raises(InputError, match="matches no Parquet files"):
+        check_inputs(str(tmp_path / "none-*.parquet"), "id", "text", set())
+    with pytest.raises(InputError, match="no csv files"):
         check_inputs(str(tmp_path / "*.csv"), "id", "text", set())
+
+
+def _rows(n: int = 6) -> list[dict]:
+    return [{"id": f"d{i}", "text": f"Document {i}. It has two sentences.", "source": "wiki"} for i in range(n)]
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "json", "csv", "saved"])
+def test_datasets_sources_are_found_checked_and_read(tmp_path, kind):
+    """JSON, JSONL and CSV through `datasets`' builders, and a save_to_disk folder."""
+    import datasets
+    import ray
+
+    rows = _rows()
+    if kind == "jsonl":
+        path = tmp_path / "c.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif kind == "json":
+        path = tmp_path / "c.json"
+        path.write_text(json.dumps(rows))
+    elif kind == "csv":
+        path = tmp_path / "c.csv"
+        pacsv.write_csv(pa.Table.from_pylist(rows), path)
+    else:
+        path = tmp_path / "saved"
+        datasets.Dataset.from_list(rows).save_to_disk(str(path))
+    assert detect_format(str(path)) == ("json" if kind == "jsonl" else kind)
+    inputs = check_inputs(str(path), "id", "text", {"text", "source"})
+    assert inputs.rows == len(rows)
+    assert inputs.schema.field("text").type in (pa.string(), pa.large_string())
+    assert duplicate_ids(inputs, "id") == (0, [])
+    ray.init(num_cpus=1, include_dashboard=False, ignore_reinit_error=True)
+    try:
+        read = inputs.read(blocks=2).to_arrow_refs()
+        got = pa.concat_tables(ray.get(read))
+    finally:
+        ray.shutdown()
+    assert sorted(got.column("id").to_pylist()) == sorted(r["id"] for r in rows)
+    assert got.column("text").to_pylist()[0].startswith("Document")
+
+
+def test_datasets_sources_name_the_path_and_column(tmp_path):
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(json.dumps({"doc": r["id"], "text": r["text"]}) + "\n" for r in _rows(2)))
+    with pytest.raises(InputError, match=rf"{path}: id column 'id' is missing"):
+        check_inputs(str(path), "id", "text", set())
+    dup = tmp_path / "dup.jsonl"
+    dup.write_text("".join(json.dumps(r) + "\n" for r in _rows(2) * 2))
+    assert duplicate_ids(check_inputs(str(dup), "id", "text", set()), "id") == (2, ["d0", "d1"])
+    bad = tmp_path / "bad.json"
+    bad.write_text("{ not json")
+    with pytest.raises(InputError, match=rf"{bad}: cannot load as json"):
+        check_inputs(str(bad), "id", "text", set())
+
+
+def test_hub_names_are_detected_and_fail_clearly_offline(tmp_path, monkeypatch):
+    import datasets
+    import huggingface_hub
+
+    # Both libraries read HF_HUB_OFFLINE at import; offline, they fail at once instead of retrying.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    assert detect_format("someone/some-dataset") == "hub"
+    assert detect_format(str(tmp_path)) == "parquet"
+    with pytest.raises(InputError, match=r"someone/some-dataset: cannot load as hub \(is the network reachable"):
+        check_inputs("someone/some-dataset", "id", "text", set())

@@ -111,3 +111,48 @@ def test_binary_text_is_decoded_and_noted(stage):
     batch = pa.table({"id": ["a"], "text": pa.array([b"caf\xc3\xa9 \xff ok"], pa.binary()), "source": ["x"]})
     r = stage(batch).to_pylist()[0]
     assert r["status"] == "ok" and "decoded as UTF-8 with 1 invalid" in r["notes"]
+
+
+@pytest.fixture(scope="module")
+def kb_stage(tiny_model):
+    cfg = load_run_config(REPO / "jobs/kb_ingest.yaml", REPO / "conf/local.yaml",
+                          ["passages.tokens=40", "passages.overlap=8"])
+    return PrepareStage(cfg, str(tiny_model), max_model_len=2048)
+
+
+def test_passages_map_back_to_the_exact_text_with_the_configured_overlap(kb_stage):
+    from pipeline.dev.corpus import synthetic_text, _vocabulary
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    words = _vocabulary()
+    docs = [synthetic_text(rng, words, n) for n in (5, 60, 400)] + ["  Lead space.\n\n\nTrail  \n"]
+    out = kb_stage(pa.table({"id": [1, 2, 3, 4], "text": docs, "source": ["wiki"] * 4}))
+    assert "text" not in out.column_names
+    rows = out.to_pylist()
+    for doc_id, doc in enumerate(docs, start=1):
+        mine = [r for r in rows if r["id"] == doc_id]
+        assert [r["passage_index"] for r in mine] == list(range(len(mine)))
+        for r in mine:
+            assert doc[r["char_start"]:r["char_end"]] == r["passage"]
+            assert r["passage"].strip() == r["passage"] != ""
+            tokens = len(kb_stage.text_tokens(r["passage"])[0])
+            assert tokens <= 40 + 1  # re-tokenizing a cut can merge one token differently
+        # Consecutive passages overlap by about `overlap` tokens, and never leave a gap.
+        for a, b in zip(mine, mine[1:]):
+            assert b["char_start"] < a["char_end"]
+            shared = len(kb_stage.text_tokens(doc[b["char_start"]:a["char_end"]])[0])
+            assert 4 <= shared <= 10
+        assert mine[0]["char_start"] == len(doc) - len(doc.lstrip())
+        assert mine[-1]["char_end"] == len(doc.rstrip())
+    assert len([r for r in rows if r["id"] == 3]) >= 10  # 400 words is many 40-token passages
+    assert all(r["status"] == "ok" for r in rows)
+    ann = out.column(schema.ANNOTATION_TOKEN_IDS).to_pylist()
+    assert all(ids for ids in ann) and "Give the title" in kb_stage.tokenizer.decode(ann[0])
+
+
+def test_a_bad_document_stays_one_error_row_among_passages(kb_stage):
+    out = kb_stage(pa.table({"id": [1, 2], "text": ["   ", "Fine text here."], "source": ["a", "b"]}))
+    rows = out.to_pylist()
+    assert [(r["id"], r["passage_index"], r["status"]) for r in rows] == [(1, None, "error"), (2, 0, "ok")]
+    assert rows[0]["passage"] is None and rows[0]["error"] == "text is whitespace only"

@@ -22,7 +22,7 @@ def test_output_schema_order_and_types():
 
 
 def test_status_values():
-    assert [s.value for s in Status] == ["ok", "error", "skipped_too_long"]
+    assert [s.value for s in Status] == ["ok", "error", "skipped_too_long", "invalid_output"]
 
 
 @pytest.mark.parametrize("clash", ["summary", "status", "_secret"])
@@ -37,3 +37,19 @@ def test_conform_drops_working_columns_and_casts():
     t = pa.table({"prompt_tokens": pa.array([1, 2], pa.int64()), "id": ["a", "b"], "_engine_call": ["x", "y"]})
     c = schema.conform(t, out_schema)
     assert c.schema == out_schema and c.column("id").to_pylist() == ["a", "b"]
+
+
+def test_passages_and_annotations_shape_the_output():
+    from pipeline.annotations import check_schema
+
+    fields = check_schema({"type": "object", "properties": {"title": {"type": "string"},
+                                                            "tags": {"type": "array", "items": {"type": "string"}}}})
+    s = schema.output_schema(pa.schema([("id", pa.int64()), ("text", pa.string()), ("source", pa.string())]),
+                      "id", "text", passages=True, annotation_fields=fields)
+    assert s.names[:6] == ["id", "passage_index", "char_start", "char_end", "passage", "source"]
+    assert "text" not in s.names  # the document is not repeated on every passage row
+    assert s.names[6:10] == ["summary", "title", "tags", "raw_output"]
+    assert s.field("tags").type == pa.list_(pa.string())
+    with pytest.raises(ValueError, match=r"\['title'\] collide .* or set annotations.column_prefix"):
+        schema.output_schema(pa.schema([("id", pa.int64()), ("text", pa.string()), ("title", pa.string())]),
+                      "id", "text", annotation_fields=fields)

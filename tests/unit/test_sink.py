@@ -32,21 +32,24 @@ class Ctx:
 
 def test_parts_are_whole_and_stats_merge(tmp_path):
     out_schema = schema.output_schema(pa.schema([("id", pa.string()), ("text", pa.string())]), "id", "text")
-    sink = ParquetPartsSink(str(tmp_path / "out"), "run1", out_schema)
-    sink.on_write_start()
-    # A stale part from an earlier run is retired once this run completes.
+    # An earlier run's output: it stays readable, whole, until this run publishes.
+    (tmp_path / "out").mkdir()
     stale = tmp_path / "out" / "part-run0-00000.parquet"
     pq.write_table(pa.table({"x": [1]}), stale)
+    sink = ParquetPartsSink(str(tmp_path / "out"), "run1", out_schema)
+    sink.on_write_start()
     r0 = sink.write([block(["a", "b"], "le128", "c0", {"call": "c0", "rows": 3})], Ctx(0))
     r1 = sink.write([block(["c"], "le128", "c0"), block(["d"], "le256", "c1", {"call": "c1", "rows": 1})], Ctx(1))
-    assert sorted(os.listdir(tmp_path / "out")) == [
-        "part-run0-00000.parquet", "part-run1-00000.parquet", "part-run1-00001.parquet"]
+    assert os.listdir(tmp_path / "out") == ["part-run0-00000.parquet"]
+    assert sorted(os.listdir(sink.root)) == ["part-run1-00000.parquet", "part-run1-00001.parquet"]
 
     class WR:
         write_returns = [r0, r1]
 
     sink.on_write_complete(WR())
-    assert not stale.exists()
+    sink.publish()
+    assert not stale.exists() and not os.path.exists(sink.root)
+    assert sorted(os.listdir(tmp_path)) == ["out"]
     written = pq.read_table(tmp_path / "out")
     assert written.schema == out_schema  # working columns dropped
     assert sorted(written.column("id").to_pylist()) == ["a", "b", "c", "d"]
@@ -67,3 +70,34 @@ def test_block_stats_counts_status():
     stats = _block_stats(t)
     assert stats["status"] == {"ok": 1, "error": 1}
     assert list(stats["call_rows"]) == ["c0"]
+
+
+def test_a_failed_run_leaves_the_previous_output_and_no_staging(tmp_path):
+    out_schema = schema.output_schema(pa.schema([("id", pa.string()), ("text", pa.string())]), "id", "text")
+    first = ParquetPartsSink(str(tmp_path / "out"), "run1", out_schema)
+    first.on_write_start()
+    first.write([block(["a"], "le128", "c0")], Ctx(0))
+    first.publish()  # nothing there before: a plain rename
+    second = ParquetPartsSink(str(tmp_path / "out"), "run2", out_schema)
+    second.on_write_start()
+    second.write([block(["b"], "le128", "c0")], Ctx(0))
+    second.on_write_failed(RuntimeError("boom"))
+    assert sorted(os.listdir(tmp_path)) == ["out"]
+    assert pq.read_table(tmp_path / "out").column("id").to_pylist() == ["a"]
+
+
+def test_publish_swaps_whole_folders(tmp_path, monkeypatch):
+    """Both ways of swapping: the atomic exchange, and two renames where it is missing."""
+    from pipeline import sink as sink_module
+
+    for exchange in (True, False):
+        final, staging = tmp_path / f"final{exchange}", tmp_path / f"staging{exchange}"
+        final.mkdir()
+        (final / "old.txt").write_text("old")
+        staging.mkdir()
+        (staging / "new.txt").write_text("new")
+        if not exchange:
+            monkeypatch.setattr(sink_module, "_exchange", lambda a, b: False)
+        sink_module.publish_dir(str(staging), str(final))
+        assert os.listdir(final) == ["new.txt"] and not staging.exists()
+    assert sorted(os.listdir(tmp_path)) == ["finalFalse", "finalTrue"]
