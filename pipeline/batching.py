@@ -36,12 +36,17 @@ class BatchPolicy(Protocol):
 
 
 class FixedBatchPolicy:
-    """The same number of rows for every bucket, from the profile; no memory budget."""
+    """A fixed number of rows per bucket, from the profile; no memory budget.
 
-    def __init__(self, rows_per_call: int):
+    `per_bucket` (from `pipeline tune`) sets a bucket's own row count; other
+    buckets get `rows_per_call`.
+    """
+
+    def __init__(self, rows_per_call: int, per_bucket: dict[str, int] | None = None):
         if rows_per_call < 1:
             raise ValueError(f"rows_per_call must be at least 1, got {rows_per_call}")
         self.rows_per_call = rows_per_call
+        self.per_bucket = dict(per_bucket or {})
         self.max_rows: int | None = None
         self._t0 = time.monotonic()
         self._seen: dict[str, list[dict[str, Any]]] = {}
@@ -51,11 +56,11 @@ class FixedBatchPolicy:
 
     def rows_for(self, bucket: str, tokens_per_row: float) -> int:
         self._seen.setdefault(bucket, [])
-        return self.rows_per_call
+        return self.per_bucket.get(bucket, self.rows_per_call)
 
     def observe(self, bucket: str, obs: Observation) -> None:
         self._seen.setdefault(bucket, []).append(
-            {"t": round(time.monotonic() - self._t0, 4), "budget": None, "rows": self.rows_per_call, "pressure": round(obs.pressure, 4),
+            {"t": round(time.monotonic() - self._t0, 4), "budget": None, "rows": self.per_bucket.get(bucket, self.rows_per_call), "pressure": round(obs.pressure, 4),
              "throughput": round(obs.throughput, 2), "preemptions": obs.preemptions, "oom": obs.oom,
              "action": "fixed", "reason": "drain" if obs.drained else None}
         )

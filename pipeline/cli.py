@@ -67,6 +67,9 @@ def print_summary(report: dict[str, Any]) -> None:
                   f"{a['retried']:,} retried with more room")
     if report.get("date"):
         out.print(f"date: {report['date']}")
+    tuned = report.get("batching", {}).get("tuned_rows")
+    if tuned:
+        out.print("batch sizes from pipeline tune: " + ", ".join(f"{b} {n}" for b, n in tuned.items()))
     out.print(f"output: {report['output']}  report: {report['report_path']}", soft_wrap=True)
 
 
@@ -135,6 +138,68 @@ def run(job: Path, profile: Path, input_path: str | None, output_path: str | Non
     if fail_on_error_rate is not None and report["rows_out"] and errors / report["rows_out"] > fail_on_error_rate:
         _fail(EXIT_ERROR_RATE, f"{errors} of {report['rows_out']} rows ended in error "
                                f"({errors / report['rows_out']:.2%}), above --fail-on-error-rate {fail_on_error_rate}")
+
+
+@main.command()
+@click.argument("job", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--profile", "-p", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="The profile to tune: its model, engine and memory target are used as they are.")
+@click.option("--input", "input_path", help="Override the job's input path: a sample of it is read.")
+@click.option("--sample", default=64, show_default=True, type=click.IntRange(1),
+              help="Prompts per bucket, from the first rows of the input.")
+@click.option("--bucket", "buckets", multiple=True, metavar="NAME",
+              help="Tune only this bucket (e.g. le256); repeatable. Default: every bucket the sample has.")
+@click.option("--max-batch", type=click.IntRange(1), default=None,
+              help="Largest batch size (rows in flight) to try. Default: the engine's max_num_seqs.")
+@click.option("--latency-slo-p99", "slo", type=click.FloatRange(0, min_open=True), default=None, metavar="MS",
+              help="Choose the largest batch whose P99 latency is at most MS milliseconds.")
+@click.option("--out", "out_dir", default="out/tune", show_default=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Where sweep.csv, sweep.json, sweep.png and profile.yaml go.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="As for run.")
+@click.option("--date", metavar="YYYY-MM-DD", help="As for run, for jobs whose paths hold {date}.")
+def tune(job: Path, profile: Path, input_path: str | None, sample: int, buckets: tuple[str, ...],
+         max_batch: int | None, slo: float | None, out_dir: Path, overrides: tuple[str, ...],
+         date: str | None) -> None:
+    """Measure throughput, latency and memory across batch sizes; choose one per bucket.
+
+    For each length bucket in a sample of JOB's input, sweep the batch size
+    (rows in flight) over 1, 2, 4, ... with one real engine, until throughput
+    stops growing, memory pressure reaches the target or memory runs out.
+    Choose the knee of throughput against log2(batch) (Kneedle), or with
+    --latency-slo-p99 the largest batch that meets it. Writes a table here,
+    and sweep.csv, sweep.json, sweep.png and profile.yaml (use it with
+    `pipeline run --profile`) in --out.
+    """
+    from pipeline.tune.job import tune_job
+    from pipeline.tune.outputs import choice_lines, sweep_table
+
+    out = Console()
+
+    def on_point(bucket: str, p: Any) -> None:
+        what = "out of memory" if p.oom else (
+            f"{p.throughput:,.0f} tok/s · P99 {p.p99_ms:,.0f} ms · pressure {p.peak_pressure:.2f} · "
+            f"{p.repeats} windows, spread {p.spread:.0%}")
+        out.print(f"  {bucket} batch {p.batch:>4}: {what}")
+
+    try:
+        config = load_run_config(job, profile, overrides, input_path, None, date=date)
+        results, info = tune_job(config, out_dir, sample, buckets, max_batch, slo, on_point=on_point,
+                                 on_stage=lambda msg: out.print(f"[dim]{msg}[/dim]"))
+    except (ConfigError, InputError) as e:
+        _fail(EXIT_BAD_CONFIG, str(e))
+    except KeyboardInterrupt:
+        _fail(EXIT_FAILED, "interrupted")
+    except Exception as e:
+        console.print_exception(max_frames=5)
+        _fail(EXIT_FAILED, f"{type(e).__name__}: {e}")
+    meta = info["meta"]
+    out.print(sweep_table(results, f"tune · {meta['job_file']} on {meta['profile_file']} · "
+                                   f"{meta['sample_rows']} prompts · {meta['wall_s']:.0f} s"))
+    for line in choice_lines(results):
+        out.print(line, soft_wrap=True)
+    for kind, path in info["paths"].items():
+        out.print(f"{kind}: {path}", soft_wrap=True)
+    out.print(f"run with it: pipeline run {job} --profile {info['paths']['profile']}", soft_wrap=True)
 
 
 @main.group()

@@ -227,9 +227,10 @@ class HardwareConfig(_Section):
 
 
 class BatchingConfig(_Section):
-    policy: Literal["adaptive", "fixed"] = Field(
+    policy: Literal["adaptive", "fixed", "tuned"] = Field(
         "adaptive",
-        description="adaptive: grow each bucket's token budget to the memory target; fixed: rows_per_call rows.",
+        description="adaptive: grow each bucket's token budget to the memory target; fixed: rows_per_call rows; "
+        "tuned: the rows per bucket `pipeline tune` chose (tuned_rows), rows_per_call for other buckets.",
     )
     memory_target: float = Field(0.90, ge=0.5, le=0.98, description="Memory pressure the adaptive policy aims for.")
     initial_budget_tokens: int | None = Field(
@@ -240,6 +241,9 @@ class BatchingConfig(_Section):
         description="continuous: admit rows as others finish; drain: classic batches, each run to its last row.",
     )
     rows_per_call: int = Field(64, gt=0, description="Rows in flight under the fixed policy.")
+    tuned_rows: dict[str, int] = Field(
+        default_factory=dict, description="Rows in flight per bucket under the tuned policy (written by tune)."
+    )
     bucket_boundaries: list[int] = Field(
         default_factory=lambda: list(DEFAULT_BOUNDARIES),
         description="Inclusive upper bounds of the prompt-length buckets, in tokens.",
@@ -259,6 +263,14 @@ class BatchingConfig(_Section):
         "max_model_len and dtype; none: do not persist.",
     )
     learned_max_age_days: float = Field(30.0, gt=0, description="Older learned limits are ignored.")
+
+    @model_validator(mode="after")
+    def _tuned_has_rows(self) -> BatchingConfig:
+        if self.policy == "tuned" and not self.tuned_rows:
+            raise ValueError("policy tuned needs tuned_rows (bucket: rows); `pipeline tune` writes them")
+        if any(v < 1 for v in self.tuned_rows.values()):
+            raise ValueError("tuned_rows must be at least 1 row per bucket")
+        return self
 
     @field_validator("bucket_boundaries")
     @classmethod

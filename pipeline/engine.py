@@ -36,6 +36,7 @@ class Completion:
     latency_s: float
     finish_reason: str | None = None
     error: str | None = None
+    first_token_s: float | None = None  # submit to first token, where the engine reports it
 
 
 def engine_kwargs(model: str, engine: EngineConfig, seed: int | None) -> dict[str, Any]:
@@ -210,6 +211,8 @@ class VLLMEngine:
         )
         self._kv_usage: float | None = None
         self._preemptions = 0
+        self._submitted: dict[str, float] = {}
+        self._first_token: dict[str, float] = {}
         self._tap_step_stats()
         self._watch_for_death()
 
@@ -333,19 +336,28 @@ class VLLMEngine:
         request_id = f"req-{self._next_id}"
         self._next_id += 1
         self._engine.add_request(request_id, {"prompt_token_ids": prompt_token_ids}, params)
+        self._submitted[request_id] = time.monotonic()
         return request_id
 
     def step(self) -> list[tuple[str, Completion]]:
         """One engine step; the requests it finished, with latency left at 0 for the caller."""
         finished = []
-        for out in self._engine.step():
+        outputs = self._engine.step()
+        now = time.monotonic()
+        for out in outputs:
+            rid = out.request_id
+            if rid not in self._first_token and out.outputs and out.outputs[0].token_ids:
+                self._first_token[rid] = now - self._submitted.get(rid, now)
             if out.finished:
                 first = out.outputs[0]
-                finished.append(
-                    (out.request_id, Completion(first.text, len(first.token_ids), 0.0, first.finish_reason))
-                )
+                self._submitted.pop(rid, None)
+                finished.append((rid, Completion(first.text, len(first.token_ids), 0.0, first.finish_reason,
+                                                 first_token_s=self._first_token.pop(rid, None))))
         return finished
 
     def abort(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self._submitted.pop(rid, None)
+            self._first_token.pop(rid, None)
         if request_ids and self._engine is not None:
             self._engine.abort_request(request_ids)

@@ -62,8 +62,8 @@ def bucket_runs(rows: list[int], buckets: list[int], grouping: str,
 
 def make_policy(config: RunConfig, engine: VLLMEngine, learned: dict[str, int] | None) -> BatchPolicy:
     b = config.profile.batching
-    if b.policy == "fixed":
-        return FixedBatchPolicy(b.rows_per_call)
+    if b.policy in ("fixed", "tuned"):
+        return FixedBatchPolicy(b.rows_per_call, b.tuned_rows if b.policy == "tuned" else None)
     return BatchSizeController(
         ControllerSettings(target=b.memory_target, max_rows=engine.max_num_seqs),
         kv_capacity_tokens=engine.kv_cache_tokens,

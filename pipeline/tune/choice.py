@@ -39,7 +39,8 @@ Points that ran out of memory are dropped first.
   measurement falls short, the choice moves up to the smallest batch at or
   above the knee that reaches 95% of the maximum ("within-95%-of-max"), and
   the reason says so.
-* With no knee (a straight line in log2 batch, or a sweep too short: Kneedle
+* With no knee (a straight line in log2 batch, a curve still bending upwards,
+  where Kneedle answers with the first point, or a sweep too short: Kneedle
   needs three points, and on exactly three its threshold cannot be crossed),
   the smallest batch within 95% of the maximum wins
   ("within-95%-of-max"); a single point is simply taken ("only-point").
@@ -156,7 +157,11 @@ def find_knee(points: list[SweepPoint]) -> int | None:
         knee = KneeLocator(x, y, curve="concave", direction="increasing", online=False).knee
     if knee is None:
         return None
-    return points[int(np.argmin(np.abs(x - knee)))].batch
+    at = int(np.argmin(np.abs(x - knee)))
+    # A "knee" at the smallest batch is Kneedle's answer for a curve still bending
+    # upwards there (throughput more than doubling per doubling of the batch, as on
+    # CPU); a knee is where gains level off, so that is no knee.
+    return None if at == 0 else points[at].batch
 
 
 def choose(points: list[SweepPoint], latency_slo_p99_ms: float | None = None) -> Choice:

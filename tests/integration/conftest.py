@@ -32,6 +32,8 @@ class JobRun:
     result: subprocess.CompletedProcess
     report: dict
     written: pa.Table
+    profile: Path = REPO / "conf/local.yaml"
+    sets: tuple[str, ...] = ()  # the run's --set arguments, to repeat it
 
 
 def run_cli(job: Path, profile: Path, *args: str) -> subprocess.CompletedProcess:
@@ -58,10 +60,7 @@ def job_run(tmp_path_factory, tiny_model) -> JobRun:
     tmp = tmp_path_factory.mktemp("job")
     corpus_path = write_corpus(tmp / "in" / f"dt={DATE}" / "corpus.parquet", rows=ROWS, seed=11)
     output = tmp / "out" / f"dt={DATE}"
-    result = run_cli(
-        REPO / "jobs/nightly_summarize.yaml", REPO / "conf/local.yaml", "--date", DATE,
-        # {date} in paths given on the command line is filled in too.
-        "--input", str(tmp / "in" / "dt={date}"), "--output", str(tmp / "out" / "dt={date}"),
+    sets = (
         "--set", f"model.name={tiny_model}",
         "--set", f"sampling.max_new_tokens={MAX_NEW_TOKENS}",
         # Small batches: many engine calls, batches that straddle buckets.
@@ -69,4 +68,11 @@ def job_run(tmp_path_factory, tiny_model) -> JobRun:
         "--set", "engine.max_model_len=8192",
         "--set", "batching.learned_limits=null",  # no state carried between test runs
     )
-    return read_run(output, corpus_path, result)
+    result = run_cli(
+        REPO / "jobs/nightly_summarize.yaml", REPO / "conf/local.yaml", "--date", DATE,
+        # {date} in paths given on the command line is filled in too.
+        "--input", str(tmp / "in" / "dt={date}"), "--output", str(tmp / "out" / "dt={date}"), *sets,
+    )
+    run = read_run(output, corpus_path, result)
+    run.sets = sets
+    return run

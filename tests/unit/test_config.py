@@ -133,3 +133,17 @@ def test_date_fills_the_nightly_paths():
         load_run_config(REPO / "jobs/nightly_summarize.yaml", REPO / "conf/local.yaml", date="2026-02-30")
     with pytest.raises(ConfigError, match=r"--date 2026-11-29: .*kb_ingest.yaml has no \{date\}"):
         load_run_config(KB, REPO / "conf/local.yaml", date="2026-11-29")
+
+
+def test_tuned_policy_needs_rows_per_bucket():
+    with pytest.raises(ConfigError, match=r"batching: policy tuned needs tuned_rows"):
+        load_run_config(JOB, LOCAL, ["batching.policy=tuned"])
+    cfg = load_run_config(JOB, LOCAL, ["batching.policy=tuned", "batching.tuned_rows={le128: 32, le256: 16}"])
+    assert cfg.profile.batching.tuned_rows == {"le128": 32, "le256": 16}
+
+
+def test_fixed_policy_takes_per_bucket_rows():
+    from pipeline.batching import FixedBatchPolicy
+
+    policy = FixedBatchPolicy(64, {"le128": 8})
+    assert policy.rows_for("le128", 100.0) == 8 and policy.rows_for("le512", 100.0) == 64

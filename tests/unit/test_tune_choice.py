@@ -205,3 +205,14 @@ def test_plot_sweep_two_buckets_with_an_oom():
     })
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
     assert plt.get_fignums() == figures  # no global figure left behind
+
+
+def test_a_curve_still_bending_upwards_has_no_knee():
+    """Measured on CPU (le128, tiny model): throughput more than doubles early on, and
+    Kneedle answers with the first point; that is no knee, and the fallback decides."""
+    tps = [354, 900, 2000, 3900, 7400, 9600, 10800, 15600, 17047]
+    points = [SweepPoint(batch=2 ** i, throughput=t, rows_per_s=t / 32, p50_ms=70 + 5 * i, p99_ms=90 + 40 * i,
+                         ttft_p50_ms=None, peak_pressure=0.01 * i, preemptions=0) for i, t in enumerate(tps)]
+    assert find_knee(points) is None
+    c = choose(points)
+    assert c.rule == "within-95%-of-max" and c.batch == 256 and "no knee" in c.reason

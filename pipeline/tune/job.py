@@ -1,0 +1,78 @@
+"""`pipeline tune` end to end: check, sample, sweep, choose, write."""
+
+from __future__ import annotations
+
+import platform
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from pipeline.config import RunConfig
+from pipeline.inputs import InputError, check_inputs
+from pipeline.report import versions
+from pipeline.tune.choice import SweepPoint
+from pipeline.tune.outputs import write_outputs
+from pipeline.tune.sweep import BucketResult, collect_sample, run_sweep, tuning_engine
+
+
+def tune_job(config: RunConfig, out: Path, sample: int = 64, buckets: tuple[str, ...] = (),
+             max_batch: int | None = None, latency_slo_p99_ms: float | None = None,
+             on_point: Callable[[str, SweepPoint], None] | None = None,
+             on_stage: Callable[[str], None] | None = None) -> tuple[dict[str, BucketResult], dict[str, Any]]:
+    """Sweep the job's buckets on a sample of its input; (results, {meta, paths})."""
+    from pipeline.bucketing import LengthBucketer
+    from pipeline.runner import resolve_model
+    from pipeline.stages.prepare import context_limit
+
+    say = on_stage or (lambda _msg: None)
+    job, profile = config.job, config.profile
+    names = LengthBucketer(profile.batching.bucket_boundaries).names
+    unknown = sorted(set(buckets) - set(names))
+    if unknown:
+        raise InputError(f"--bucket {', '.join(unknown)}: no such bucket (buckets: {', '.join(names)})")
+    inputs = check_inputs(
+        job.input.path, job.input.id_column, job.input.text_column, job.template_fields(), job.input.on_bad_file,
+        fmt=job.input.format, split=job.input.split, subset=job.input.subset, job_file=config.job_file,
+    )
+    started = time.monotonic()
+    model_path = resolve_model(config)
+    max_model_len = context_limit(model_path, profile.engine.max_model_len)
+    say(f"sampling up to {sample} prompts per bucket from {job.input.path}")
+    prompts = collect_sample(config, inputs, model_path, max_model_len, sample, set(buckets) or None)
+    if not prompts:
+        raise InputError(f"{job.input.path}: no row could be prompted"
+                         + (f" in buckets {', '.join(buckets)}" if buckets else ""))
+    missing = sorted(set(buckets) - set(prompts))
+    say(", ".join(f"{b}: {len(p)}" for b, p in prompts.items())
+        + (f" (none in {', '.join(missing)})" if missing else "") + "; starting the engine")
+    engine = tuning_engine(config, model_path)
+    try:
+        results = run_sweep(config, engine, prompts, max_batch, latency_slo_p99_ms, on_point)
+    finally:
+        engine.close()
+    meta = {
+        "tuned_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "job_file": config.job_file,
+        "profile_file": config.profile_file,
+        "model": profile.model.name,
+        "input": job.input.path,
+        "sample_per_bucket": sample,
+        "sample_rows": sum(len(p) for p in prompts.values()),
+        "max_new_tokens": job.sampling.max_new_tokens,
+        "latency_slo_p99_ms": latency_slo_p99_ms,
+        "engine": {"startup_s": round(engine.startup_s, 2), "max_num_seqs": engine.max_num_seqs,
+                   "kv_cache_tokens": engine.kv_cache_tokens, "max_model_len": engine.max_model_len,
+                   "prefix_caching": False},
+        "wall_s": round(time.monotonic() - started, 2),
+        "machine": {"platform": platform.platform(), "cpus": psutil.cpu_count(),
+                    "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+                    "accelerator": profile.hardware.accelerator},
+        "versions": versions(),
+        "skipped_buckets": missing,
+    }
+    paths = write_outputs(out, config, results, meta)
+    return results, {"meta": meta, "paths": paths}

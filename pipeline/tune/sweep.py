@@ -1,0 +1,258 @@
+"""`pipeline tune`: measure each bucket across batch sizes on a sample, choose, write a profile.
+
+The sweep runs one real engine in this process, on prompts the job's own
+prepare stage renders and tokenizes from a sample of the corpus, so what is
+measured is what `run` will send. For each length bucket and each batch size
+on a log2 grid (1, 2, 4, ... up to the engine's `max_num_seqs`), it keeps
+exactly that many requests in flight over about three waves of rows, and
+records:
+
+- steady-state throughput (output tokens/s and rows/s) from the first
+  completion to the last, counting what finished after the first: the first
+  wave's ramp-up is excluded;
+- per-request latency (submit to finish), P50 and P99, and time to the first
+  token, from the engine's own outputs;
+- peak memory pressure (`MemoryProbe`, as the controller sees it) and
+  preemptions; an out-of-memory error ends the bucket's sweep and is recorded.
+
+A point is measured at least twice, and again (up to four times) until the
+last two windows agree within 10%. The sweep of a bucket stops early by the
+rules in `pipeline.tune.choice`; the choice is made there too.
+
+Prefix caching is off in the tuning engine: the sample's prompts are reused
+across windows, and cached prefills would flatter every point after the first.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+
+from pipeline import schema
+from pipeline.config import RunConfig
+from pipeline.engine import VLLMEngine, is_engine_oom
+from pipeline.memory import MemoryProbe
+from pipeline.schema import Status
+from pipeline.tune.choice import Choice, SweepPoint, choose, repeats_agree, stop_reason
+
+MIN_REPEATS = 2
+MAX_REPEATS = 4
+WAVES = 3  # rows per window = WAVES x batch: the first wave is warm-up, the rest is measured
+MIN_WINDOW_ROWS = 8
+
+
+@dataclass
+class Window:
+    """One measurement at one batch size."""
+
+    tokens: int = 0  # output tokens of the completions after the first
+    rows: int = 0  # completions after the first
+    seconds: float = 0.0  # first completion to last
+    latencies: list[float] = field(default_factory=list)
+    ttfts: list[float] = field(default_factory=list)
+    peak_pressure: float = 0.0
+    preemptions: int = 0
+    oom: str | None = None
+
+    @property
+    def throughput(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100) of a non-empty list."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+def measure(engine: VLLMEngine, probe: MemoryProbe, params: Any, prompts: list[list[int]],
+            batch: int, rows: int, offset: int = 0) -> Window:
+    """Run `rows` prompts (cycling through `prompts` from `offset`) with `batch` in flight."""
+    w = Window()
+    submitted: dict[str, float] = {}
+    first_done: float | None = None
+    last_done = 0.0
+    preempt_start = engine.kv_gauges()[1]
+    next_row = 0
+    try:
+        while next_row < rows or submitted:
+            while next_row < rows and len(submitted) < batch:
+                rid = engine.submit(prompts[(offset + next_row) % len(prompts)], params)
+                submitted[rid] = time.monotonic()
+                next_row += 1
+            finished = engine.step()
+            now = time.monotonic()
+            w.peak_pressure = max(w.peak_pressure, probe.read().pressure)
+            if finished and first_done is None:
+                first_done = now  # the clock starts here: what finished in this step is warm-up
+            for rid, c in finished:
+                start = submitted.pop(rid)
+                w.latencies.append(now - start)
+                if c.first_token_s is not None:
+                    w.ttfts.append(c.first_token_s)
+                if now > first_done:
+                    w.tokens += c.output_tokens
+                    w.rows += 1
+                last_done = now
+    except Exception as e:
+        if not is_engine_oom(e):
+            raise
+        w.oom = f"{type(e).__name__}: {e}"
+        if type(e).__name__ == "EngineDeadError":
+            engine.rebuild(w.oom)
+        else:
+            engine.abort(list(submitted))
+        return w
+    w.seconds = last_done - (first_done or last_done)
+    w.preemptions = max(0, engine.kv_gauges()[1] - preempt_start)
+    return w
+
+
+def measure_point(engine: VLLMEngine, probe: MemoryProbe, params: Any, prompts: list[list[int]],
+                  batch: int) -> tuple[SweepPoint, list[Window]]:
+    rows = max(WAVES * batch, MIN_WINDOW_ROWS)
+    windows: list[Window] = []
+    while len(windows) < MAX_REPEATS:
+        w = measure(engine, probe, params, prompts, batch, rows, offset=len(windows) * rows)
+        windows.append(w)
+        if w.oom:
+            break
+        if len(windows) >= MIN_REPEATS and repeats_agree([x.throughput for x in windows]):
+            break
+    if windows[-1].oom:
+        return SweepPoint(batch=batch, throughput=0.0, rows_per_s=0.0, p50_ms=0.0, p99_ms=0.0,
+                          ttft_p50_ms=None, peak_pressure=1.0, preemptions=0, oom=True,
+                          repeats=len(windows)), windows
+    tps = [w.throughput for w in windows]
+    median = statistics.median(tps)
+    latencies = [x for w in windows for x in w.latencies]
+    ttfts = [x for w in windows for x in w.ttfts]
+    return SweepPoint(
+        batch=batch,
+        throughput=round(median, 2),
+        rows_per_s=round(statistics.median(w.rows / w.seconds if w.seconds > 0 else 0.0 for w in windows), 3),
+        p50_ms=round(percentile(latencies, 50) * 1000, 2),
+        p99_ms=round(percentile(latencies, 99) * 1000, 2),
+        ttft_p50_ms=round(percentile(ttfts, 50) * 1000, 2) if ttfts else None,
+        peak_pressure=round(max(w.peak_pressure for w in windows), 4),
+        preemptions=sum(w.preemptions for w in windows),
+        spread=round((max(tps) - min(tps)) / median, 4) if median > 0 else 0.0,
+        repeats=len(windows),
+    ), windows
+
+
+def grid(limit: int) -> list[int]:
+    """1, 2, 4, ... up to `limit` (and `limit` itself when it is not a power of two)."""
+    sizes = [2 ** k for k in range(int(math.log2(max(limit, 1))) + 1)]
+    return sizes if sizes[-1] == limit else [*sizes, limit]
+
+
+def sweep_bucket(engine: VLLMEngine, probe: MemoryProbe, params: Any, prompts: list[list[int]],
+                 max_batch: int, memory_target: float,
+                 on_point: Callable[[SweepPoint], None] | None = None) -> tuple[list[SweepPoint], str | None]:
+    """Measure the grid until it ends or a stop rule fires; the points, and why it stopped."""
+    points: list[SweepPoint] = []
+    for batch in grid(max_batch):
+        point, _ = measure_point(engine, probe, params, prompts, batch)
+        points.append(point)
+        if on_point is not None:
+            on_point(point)
+        reason = stop_reason(points, memory_target)
+        if reason is not None:
+            return points, reason
+    return points, None
+
+
+def iter_batches(inputs: Any, rows: int = 1024) -> Iterator[pa.Table]:
+    """The input's rows in Arrow batches, read here (no Ray): the sample is small."""
+    import pyarrow.parquet as pq
+
+    if inputs.format == "parquet":
+        for path in inputs.paths:
+            for batch in pq.ParquetFile(path, filesystem=inputs.filesystem).iter_batches(batch_size=rows):
+                yield pa.Table.from_batches([batch])
+    else:
+        for batch in inputs.dataset.with_format("arrow").iter(batch_size=rows):
+            yield batch
+
+
+def collect_sample(config: RunConfig, inputs: Any, model_path: str, max_model_len: int,
+                   per_bucket: int, buckets: set[str] | None = None,
+                   max_scan_rows: int = 100_000) -> dict[str, list[list[int]]]:
+    """Up to `per_bucket` prompts (token ids) per bucket, through the job's own prepare stage."""
+    from pipeline.stages.prepare import PrepareStage
+
+    prep = PrepareStage(config, model_path, max_model_len)
+    sample: dict[str, list[list[int]]] = {}
+    scanned = 0
+    for batch in iter_batches(inputs):
+        out = prep(batch)
+        for status, bucket, ids in zip(out.column("status").to_pylist(), out.column("bucket").to_pylist(),
+                                       out.column(schema.PROMPT_TOKEN_IDS).to_pylist()):
+            if status != Status.OK or not ids or (buckets and bucket not in buckets):
+                continue
+            mine = sample.setdefault(bucket, [])
+            if len(mine) < per_bucket:
+                mine.append(ids)
+        scanned += batch.num_rows
+        full = buckets is not None and all(len(sample.get(b, [])) >= per_bucket for b in buckets)
+        if full or scanned >= max_scan_rows:
+            break
+    return sample
+
+
+def tuning_engine(config: RunConfig, model_path: str) -> VLLMEngine:
+    engine = config.profile.engine
+    extra = {"enable_prefix_caching": False, **engine.extra}
+    return VLLMEngine(model_path, engine.model_copy(update={"extra": extra}), seed=config.job.sampling.seed)
+
+
+@dataclass
+class BucketResult:
+    points: list[SweepPoint]
+    choice: Choice | None
+    stopped: str | None
+    prompts: int
+    mean_prompt_tokens: float
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "points": [p.to_dict() for p in self.points],
+            "choice": self.choice.to_dict() if self.choice else None,
+            "stopped": self.stopped,
+            "prompts": self.prompts,
+            "mean_prompt_tokens": round(self.mean_prompt_tokens, 1),
+            "error": self.error,
+        }
+
+
+def run_sweep(config: RunConfig, engine: VLLMEngine, sample: dict[str, list[list[int]]], max_batch: int | None,
+              latency_slo_p99_ms: float | None,
+              on_point: Callable[[str, SweepPoint], None] | None = None) -> dict[str, BucketResult]:
+    """Sweep every sampled bucket, shortest first, and choose a batch size for each."""
+    from pipeline.bucketing import LengthBucketer
+
+    order = LengthBucketer(config.profile.batching.bucket_boundaries).names
+    probe = MemoryProbe(kv_gauges=engine.kv_gauges, preallocated=True)
+    params = engine.sampling_params(config.job.sampling)
+    limit = min(max_batch or engine.max_num_seqs, engine.max_num_seqs)
+    target = config.profile.batching.memory_target
+    results: dict[str, BucketResult] = {}
+    for bucket in sorted(sample, key=order.index):
+        prompts = sample[bucket]
+        points, stopped = sweep_bucket(engine, probe, params, prompts, limit, target,
+                                       None if on_point is None else (lambda p, b=bucket: on_point(b, p)))
+        mean_tokens = statistics.mean(len(p) for p in prompts)
+        try:
+            choice, error = choose(points, latency_slo_p99_ms), None
+        except ValueError as e:  # every point ran out of memory
+            choice, error = None, str(e)
+        results[bucket] = BucketResult(points, choice, stopped, len(prompts), mean_tokens, error)
+    return results
