@@ -202,6 +202,50 @@ def tune(job: Path, profile: Path, input_path: str | None, sample: int, buckets:
     out.print(f"run with it: pipeline run {job} --profile {info['paths']['profile']}", soft_wrap=True)
 
 
+@main.command()
+@click.option("--rows", default=2000, show_default=True, type=click.IntRange(1),
+              help="Rows of the synthetic corpus every system runs on.")
+@click.option("--repeats", default=3, show_default=True, type=click.IntRange(1),
+              help="Interleaved runs per system; the table shows medians and ranges.")
+@click.option("--fixed", "fixed", multiple=True, type=click.IntRange(1), default=(32, 128), show_default=True,
+              help="Fixed batch sizes (rows in flight) to run as ablations; repeatable.")
+@click.option("--system", "systems", multiple=True,
+              help="Run only these systems (raw, pipeline, no-bucket, fixed-N); repeatable.")
+@click.option("--scaling", is_flag=True,
+              help="Also run the full pipeline at 1k, 4k and 16k rows: time per 1,000 rows, peak driver memory.")
+@click.option("--scaling-rows", default="1000,4000,16000", show_default=True,
+              help="The row counts --scaling runs, comma-separated.")
+@click.option("--out", default="bench/results/pipeline_vs_raw", show_default=True,
+              help="Results as OUT.md and OUT.json.")
+def bench(rows: int, repeats: int, fixed: tuple[int, ...], systems: tuple[str, ...], scaling: bool,
+          scaling_rows: str, out: str) -> None:
+    """The pipeline against raw vLLM (one LLM.generate) and against its own ablations.
+
+    Runs raw vLLM, the full pipeline, the pipeline with bucketing off and at
+    fixed batch sizes on the same synthetic corpus, model, prompts and
+    sampling (jobs/nightly_summarize.yaml on conf/local.yaml), interleaved,
+    --repeats times each. Writes a Markdown table and JSON with the machine's
+    details. See pipeline/bench.py for what is measured.
+    """
+    from pipeline.bench import bench as run_bench
+
+    sizes = [int(x) for x in scaling_rows.split(",") if x.strip()] if scaling else None
+    out_path = Path(out)
+    result = run_bench(rows, repeats, list(fixed), out_path, scaling=sizes, systems=list(systems) or None,
+                       log=lambda line: Console().print(line, soft_wrap=True))
+    table = Table(title=f"pipeline bench · {rows:,} rows · medians of {repeats}", title_justify="left")
+    for name in ("system", "wall s", "steady tok/s", "vs raw", "busy", "ok / error", "driver MiB", "workers MiB"):
+        table.add_column(name, justify="left" if name == "system" else "right")
+    for r in result["systems"]:
+        def f(v: Any, spec: str = ",.0f") -> str:
+            return "-" if v is None else format(v, spec)
+        table.add_row(r["system"], f(r["wall_s"], ",.1f"), f(r["steady_tok_s"]), f(r["steady_tok_s_vs_raw"], ".3f"),
+                      f(r["busy_fraction"], ".3f"), f"{f(r['rows_ok'])} / {f(r['rows_error'])}",
+                      f(r["peak_driver_rss_mib"]), f(r["peak_workers_rss_mib"]))
+    Console().print(table)
+    Console().print(f"results: {out_path.with_suffix('.md')}  {out_path.with_suffix('.json')}", soft_wrap=True)
+
+
 @main.group()
 def dev() -> None:
     """Offline stand-ins: a tiny model and a synthetic corpus, both deterministic."""

@@ -272,6 +272,12 @@ class BatchingConfig(_Section):
             raise ValueError("tuned_rows must be at least 1 row per bucket")
         return self
 
+    @field_validator("bucket_grouping", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        # YAML 1.1 reads an unquoted `off` as false.
+        return "off" if value is False else value
+
     @field_validator("bucket_boundaries")
     @classmethod
     def _boundaries_increase(cls, b: list[int]) -> list[int]:

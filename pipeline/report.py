@@ -7,7 +7,6 @@ what actually reached the output files.
 from __future__ import annotations
 
 import json
-import statistics
 from importlib import metadata
 from typing import Any
 
@@ -39,15 +38,32 @@ def versions() -> dict[str, str | None]:
     }
 
 
-def bucket_table(prompt_tokens_by_bucket: dict[str, list[int]], order: tuple[str, ...]) -> dict[str, Any]:
+def median_of_counts(counts: dict[int, int]) -> float:
+    """The median of a multiset given as {value: count} (as statistics.median would give)."""
+    n = sum(counts.values())
+    ordered = sorted(counts.items())
+
+    def at(k: int) -> int:  # the k-th smallest value, 0-based
+        seen = 0
+        for value, c in ordered:
+            seen += c
+            if k < seen:
+                return value
+        raise IndexError(k)
+
+    return at(n // 2) if n % 2 else (at(n // 2 - 1) + at(n // 2)) / 2
+
+
+def bucket_table(prompt_tokens_by_bucket: dict[str, dict[int, int]], order: tuple[str, ...]) -> dict[str, Any]:
+    """Rows and prompt-length min/median/max per bucket, from counts per length."""
     out = {}
     for name in order:
-        values = prompt_tokens_by_bucket.get(name)
-        if not values:
+        counts = {int(k): v for k, v in (prompt_tokens_by_bucket.get(name) or {}).items() if v}
+        if not counts:
             continue
         out[name] = {
-            "rows": len(values),
-            "prompt_tokens": {"min": min(values), "median": statistics.median(values), "max": max(values)},
+            "rows": sum(counts.values()),
+            "prompt_tokens": {"min": min(counts), "median": median_of_counts(counts), "max": max(counts)},
         }
     return out
 

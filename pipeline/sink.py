@@ -150,11 +150,13 @@ def _block_stats(table: pa.Table) -> dict[str, Any]:
     output_tokens = table.column("output_tokens").to_pylist()
     calls = table.column(schema.ENGINE_CALL).to_pylist()
 
-    per_bucket: dict[str, list[int]] = defaultdict(list)
+    # Counts per prompt length, not a list per row: the driver merges these, and
+    # its memory must not grow with the corpus (lengths are bounded by the context).
+    per_bucket: dict[str, Counter[int]] = defaultdict(Counter)
     call_rows: dict[str, dict[str, Any]] = {}
     for s, b, p, call in zip(status, buckets, prompt_tokens, calls):
         if b is not None:  # rows that failed before tokenizing have no bucket
-            per_bucket[b].append(p)
+            per_bucket[b][p] += 1
         if call is not None:
             c = call_rows.setdefault(call, {"buckets": [], "min_prompt_tokens": p, "max_prompt_tokens": p, "rows_written": 0})
             if b not in c["buckets"]:
@@ -166,7 +168,7 @@ def _block_stats(table: pa.Table) -> dict[str, Any]:
     return {
         "rows": table.num_rows,
         "status": dict(Counter(status)),
-        "prompt_tokens_by_bucket": dict(per_bucket),
+        "prompt_tokens_by_bucket": {b: dict(c) for b, c in per_bucket.items()},
         "prompt_tokens": sum(p or 0 for p in prompt_tokens),
         "truncated": sum(bool(x) for x in table.column("truncated").to_pylist()),
         "chunked": sum(x is not None for x in table.column("chunks").to_pylist()),
@@ -179,7 +181,7 @@ def _block_stats(table: pa.Table) -> dict[str, Any]:
 def merge_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
     """Fold per-task stats into one: counts add, lists concatenate, calls merge by id."""
     merged: dict[str, Any] = {
-        "files": [], "rows": 0, "status": Counter(), "prompt_tokens_by_bucket": defaultdict(list),
+        "files": [], "rows": 0, "status": Counter(), "prompt_tokens_by_bucket": defaultdict(Counter),
         "prompt_tokens": 0, "output_tokens": 0, "truncated": 0, "chunked": 0, "calls": {},
     }
     records: dict[str, dict[str, Any]] = {}
@@ -193,8 +195,8 @@ def merge_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
         merged["output_tokens"] += part["output_tokens"]
         merged["truncated"] += part["truncated"]
         merged["chunked"] += part["chunked"]
-        for b, values in part["prompt_tokens_by_bucket"].items():
-            merged["prompt_tokens_by_bucket"][b].extend(values)
+        for b, counts in part["prompt_tokens_by_bucket"].items():
+            merged["prompt_tokens_by_bucket"][b].update(counts)
         for r in part["call_records"]:
             records[r["call"]] = r
         # A call's rows may land in several blocks: widen its observed range.
@@ -212,5 +214,5 @@ def merge_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
         if call not in merged["calls"]:
             merged["calls"][call] = {"buckets": [r.get("bucket")], "rows_written": 0, **r}
     merged["status"] = dict(merged["status"])
-    merged["prompt_tokens_by_bucket"] = dict(merged["prompt_tokens_by_bucket"])
+    merged["prompt_tokens_by_bucket"] = {b: dict(c) for b, c in merged["prompt_tokens_by_bucket"].items()}
     return merged

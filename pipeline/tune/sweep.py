@@ -17,7 +17,9 @@ records:
 
 A point is measured at least twice, and again (up to four times) until the
 last two windows agree within 10%. The sweep of a bucket stops early by the
-rules in `pipeline.tune.choice`; the choice is made there too.
+rules in `pipeline.tune.choice` (a plateau seen by a point whose windows spread
+more than 20% is measured once more before it counts); the choice is made
+there too.
 
 Prefix caching is off in the tuning engine: the sample's prompts are reused
 across windows, and cached prefills would flatter every point after the first.
@@ -45,6 +47,7 @@ MIN_REPEATS = 2
 MAX_REPEATS = 4
 WAVES = 3  # rows per window = WAVES x batch: the first wave is warm-up, the rest is measured
 MIN_WINDOW_ROWS = 8
+NOISY_SPREAD = 0.20  # a point whose windows spread wider than this is measured again before a plateau stop
 
 
 @dataclass
@@ -161,9 +164,16 @@ def sweep_bucket(engine: VLLMEngine, probe: MemoryProbe, params: Any, prompts: l
     for batch in grid(max_batch):
         point, _ = measure_point(engine, probe, params, prompts, batch)
         points.append(point)
+        reason = stop_reason(points, memory_target)
+        if reason is not None and not point.oom and point.peak_pressure < memory_target \
+                and point.spread > NOISY_SPREAD:
+            # A plateau seen by a point whose windows never agreed may be noise (on a
+            # busy 2-core machine one window can run 40% slow): measure it again first.
+            point, _ = measure_point(engine, probe, params, prompts, batch)
+            points[-1] = point
+            reason = stop_reason(points, memory_target)
         if on_point is not None:
             on_point(point)
-        reason = stop_reason(points, memory_target)
         if reason is not None:
             return points, reason
     return points, None

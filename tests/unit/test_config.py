@@ -147,3 +147,7 @@ def test_fixed_policy_takes_per_bucket_rows():
 
     policy = FixedBatchPolicy(64, {"le128": 8})
     assert policy.rows_for("le128", 100.0) == 8 and policy.rows_for("le512", 100.0) == 64
+
+
+def test_unquoted_off_means_off():
+    assert load_run_config(JOB, LOCAL, ["batching.bucket_grouping=off"]).profile.batching.bucket_grouping == "off"

@@ -1,3 +1,4 @@
+import pytest
 import json
 import os
 
@@ -55,7 +56,7 @@ def test_parts_are_whole_and_stats_merge(tmp_path):
     assert sorted(written.column("id").to_pylist()) == ["a", "b", "c", "d"]
     s = sink.summary
     assert s["rows"] == 4 and s["status"] == {"ok": 4}
-    assert s["prompt_tokens_by_bucket"] == {"le128": [10, 11, 10], "le256": [10]}
+    assert s["prompt_tokens_by_bucket"] == {"le128": {10: 2, 11: 1}, "le256": {10: 1}}
     # Call c0's rows span two parts; its range and row count merge.
     assert s["calls"]["c0"]["rows_written"] == 3 and s["calls"]["c0"]["rows"] == 3
     assert s["calls"]["c0"]["buckets"] == ["le128"]
@@ -101,3 +102,13 @@ def test_publish_swaps_whole_folders(tmp_path, monkeypatch):
         sink_module.publish_dir(str(staging), str(final))
         assert os.listdir(final) == ["new.txt"] and not staging.exists()
     assert sorted(os.listdir(tmp_path)) == ["finalFalse", "finalTrue"]
+
+
+@pytest.mark.parametrize("values", [[5], [3, 1, 2], [4, 1, 3, 2], [7, 7, 7, 1], [10, 11, 10, 12, 300, 2]])
+def test_median_of_counts_matches_the_median_of_the_values(values):
+    from collections import Counter
+    from statistics import median
+
+    from pipeline.report import median_of_counts
+
+    assert median_of_counts(dict(Counter(values))) == median(values)

@@ -64,3 +64,23 @@ def test_out_of_memory_ends_the_sweep_and_is_recorded():
     assert points[-1].oom and not any(p.oom for p in points[:-1])
     assert "out of memory" in stopped.lower() and engine.aborted
     assert all(p.repeats >= 2 for p in points[:-1])
+
+
+def test_a_noisy_plateau_is_measured_again_before_it_stops_the_sweep(monkeypatch):
+    """Seen on CPU: one slow window made batch 32 look 16% slower than 16 and ended the sweep."""
+    from pipeline.tune import sweep
+    from pipeline.tune.choice import SweepPoint
+
+    calls = []
+
+    def fake_point(engine, probe, params, prompts, batch):
+        calls.append(batch)
+        noisy = batch == 32 and calls.count(32) == 1
+        tps = 600.0 if noisy else 100.0 * batch
+        return SweepPoint(batch=batch, throughput=tps, rows_per_s=1.0, p50_ms=1.0, p99_ms=2.0, ttft_p50_ms=None,
+                          peak_pressure=0.01 * batch, preemptions=0, spread=0.6 if noisy else 0.02), []
+
+    monkeypatch.setattr(sweep, "measure_point", fake_point)
+    points, stopped = sweep.sweep_bucket(None, None, None, [[1]], max_batch=64, memory_target=0.9)
+    assert calls == [1, 2, 4, 8, 16, 32, 32, 64] and stopped is None
+    assert points[-2].throughput == 3200.0
