@@ -207,7 +207,7 @@ def tune(job: Path, profile: Path, input_path: str | None, sample: int, buckets:
               help="Rows of the synthetic corpus every system runs on.")
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(1),
               help="Interleaved runs per system; the table shows medians and ranges.")
-@click.option("--fixed", "fixed", multiple=True, type=click.IntRange(1), default=(32, 128), show_default=True,
+@click.option("--fixed", "fixed", multiple=True, type=click.IntRange(1), default=(64,), show_default=True,
               help="Fixed batch sizes (rows in flight) to run as ablations; repeatable.")
 @click.option("--system", "systems", multiple=True,
               help="Run only these systems (raw, pipeline, no-bucket, fixed-N); repeatable.")

@@ -256,7 +256,11 @@ class BatchingConfig(_Section):
         ),
     )
     prepare_batch_rows: int = Field(256, gt=0, description="Rows per tokenizing batch.")
-    generate_batch_rows: int = Field(1024, gt=0, description="Rows Ray Data hands an engine actor at once.")
+    generate_batch_rows: int = Field(
+        4096, gt=0,
+        description="Rows Ray Data hands an engine actor at once. Each batch's bucket runs start and end "
+        "with the engine part-full; at 4,000 rows 1,024 cost 3% of throughput against 4,096.",
+    )
     learned_limits: str | None = Field(
         None,
         description="File to start from and save per-bucket limits to, keyed by model, hardware, "

@@ -166,7 +166,16 @@ class EngineFeeder:
             if suspects:  # bisecting a failed call: at most half the last failing group
                 max_rows = min(max_rows, isolate)
             admit = self.feed == "continuous" or not in_flight
-            while admit and queue and len(in_flight) < max_rows and (
+            # The engine runs at most max_num_seqs requests at once and queues the rest
+            # itself. When that limit, not the policy's token budget, is what binds, keep
+            # its queue stocked with up to as many again: a wave of completions is then
+            # replaced inside the engine at once, instead of after a round trip through
+            # this process (the core idled for it: 0.73 of raw vLLM's tokens/s at 4k rows).
+            engine_limit = getattr(self.engine, "max_num_seqs", None)
+            cap = max_rows
+            if admit and engine_limit and not suspects and max_rows >= engine_limit and self.feed == "continuous":
+                cap = max_rows + engine_limit
+            while admit and queue and len(in_flight) < cap and (
                 not in_flight or in_flight_cost + queue[0][2] <= budget
             ):
                 pos, ids, cost = queue.popleft()
@@ -223,7 +232,7 @@ class EngineFeeder:
             now = time.monotonic()
             step_s += now - step_start
             busy_s += now - mark
-            filled += len(in_flight) * (now - mark)
+            filled += min(len(in_flight), max_rows) * (now - mark)
             allowed += min(max_rows, len(in_flight) + len(queue)) * (now - mark)
             mark = now
             steps += 1
