@@ -55,6 +55,15 @@ def resolve_model(config: RunConfig) -> str:
     return str(local.resolve()) if local.exists() else model.name
 
 
+def job_inputs(config: RunConfig) -> Any:
+    """The job's input, found and checked (schema, columns, template fields) without a model."""
+    i = config.job.input
+    return check_inputs(
+        i.path, i.id_column, i.text_column, config.job.template_fields(), i.on_bad_file,
+        fmt=i.format, split=i.split, subset=i.subset, job_file=config.job_file,
+    )
+
+
 def init_ray(config: RunConfig) -> None:
     import ray
 
@@ -111,10 +120,7 @@ def run_job(config: RunConfig, run_id: str | None = None) -> dict[str, Any]:
     job, profile = config.job, config.profile
 
     # 1. Checks that need no model and no cluster.
-    inputs = check_inputs(
-        job.input.path, job.input.id_column, job.input.text_column, job.template_fields(), job.input.on_bad_file,
-        fmt=job.input.format, split=job.input.split, subset=job.input.subset, job_file=config.job_file,
-    )
+    inputs = job_inputs(config)
     repeated, examples = duplicate_ids(inputs, job.input.id_column)
     if repeated:
         raise InputError(

@@ -12,7 +12,7 @@ from typing import Any
 import psutil
 
 from pipeline.config import RunConfig
-from pipeline.inputs import InputError, check_inputs
+from pipeline.inputs import InputError
 from pipeline.report import versions
 from pipeline.tune.choice import SweepPoint
 from pipeline.tune.outputs import write_outputs
@@ -25,7 +25,7 @@ def tune_job(config: RunConfig, out: Path, sample: int = 64, buckets: tuple[str,
              on_stage: Callable[[str], None] | None = None) -> tuple[dict[str, BucketResult], dict[str, Any]]:
     """Sweep the job's buckets on a sample of its input; (results, {meta, paths})."""
     from pipeline.bucketing import LengthBucketer
-    from pipeline.runner import resolve_model
+    from pipeline.runner import job_inputs, resolve_model
     from pipeline.stages.prepare import context_limit
 
     say = on_stage or (lambda _msg: None)
@@ -34,10 +34,7 @@ def tune_job(config: RunConfig, out: Path, sample: int = 64, buckets: tuple[str,
     unknown = sorted(set(buckets) - set(names))
     if unknown:
         raise InputError(f"--bucket {', '.join(unknown)}: no such bucket (buckets: {', '.join(names)})")
-    inputs = check_inputs(
-        job.input.path, job.input.id_column, job.input.text_column, job.template_fields(), job.input.on_bad_file,
-        fmt=job.input.format, split=job.input.split, subset=job.input.subset, job_file=config.job_file,
-    )
+    inputs = job_inputs(config)
     started = time.monotonic()
     model_path = resolve_model(config)
     max_model_len = context_limit(model_path, profile.engine.max_model_len)
