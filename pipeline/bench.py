@@ -45,6 +45,7 @@ from typing import Any
 import psutil
 
 REPO = Path(__file__).resolve().parents[1]
+TARGET, TARGET_ROWS = 0.95, 4000  # pipeline / raw steady throughput, from this many rows
 JOB = "jobs/nightly_summarize.yaml"
 PROFILE = "conf/local.yaml"
 
@@ -267,6 +268,12 @@ def markdown(result: dict[str, Any]) -> str:
             f"{_fmt(r['rows_ok'], ',.0f')} / {_fmt(r['rows_error'], ',.0f')} | {cell('peak_driver_rss_mib')} | "
             f"{cell('peak_workers_rss_mib')} |"
         )
+    pipeline = next((r for r in result["systems"] if r["system"] == "pipeline"), None)
+    if pipeline and pipeline.get("steady_tok_s_vs_raw") is not None:
+        ratio = pipeline["steady_tok_s_vs_raw"]
+        verdict = "met" if ratio >= TARGET else "missed"
+        scope = "" if result["rows"] >= TARGET_ROWS else f" (the target applies from {TARGET_ROWS:,} rows)"
+        lines += ["", f"Target: pipeline ÷ raw ≥ {TARGET} in steady output tokens/s: **{ratio:.3f}, {verdict}**{scope}."]
     if result.get("scaling"):
         lines += ["", "## Scaling: the full pipeline at growing row counts", "",
                   "| rows | wall s | wall s per 1,000 rows | steady s per 1,000 rows | driver RSS MiB |",

@@ -24,6 +24,8 @@ def test_medians_ranges_and_ratios_to_raw():
                        {"rows": 1000, "wall_s": 50.0, "wall_s_per_1k": 50.0, "steady_s_per_1k": 6.0,
                         "peak_driver_rss_mib": 290.0}]})
     assert "| pipeline | 13.0<br>12.0..14.0 |" in md and "| 0.950 |" in md and "| 1,000 | 50.0 |" in md
+    assert "**0.950, met** (the target applies from 4,000 rows)" not in md  # rows=4000 here
+    assert "**0.950, met**." in md
 
 
 def test_peak_memory_is_sampled_for_the_process_and_its_children(tmp_path):
