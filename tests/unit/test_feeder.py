@@ -159,3 +159,23 @@ def test_a_poisoned_request_is_bisected_out_and_its_neighbours_finish():
     assert out.completions[11].error == "the engine failed on this row alone: RuntimeError: sampler produced NaN"
     assert all(out.completions[i].error is None for i in range(16) if i != 11)
     assert 1 <= feeder.totals.bisections <= 5  # log2(16) + 1
+
+
+def test_the_engines_own_queue_is_kept_stocked_only_when_its_row_limit_binds():
+    """Rows past max_num_seqs wait inside the engine, so a wave of completions is
+    replaced there at once; the policy's budget and smaller row counts still hold."""
+    engine = FakeEngine()
+    engine.max_num_seqs = 8
+    result = EngineFeeder(engine, FixedBatchPolicy(8), SAMPLING).serve("le128", rows(40))
+    assert engine.max_seen == 16 and len(result.completions) == 40  # 8 running + 8 queued
+    assert result.record["fill"] <= 1.0
+
+    engine = FakeEngine()
+    engine.max_num_seqs = 8
+    EngineFeeder(engine, FixedBatchPolicy(4), SAMPLING).serve("le128", rows(40))
+    assert engine.max_seen == 4  # the policy's own limit binds: nothing extra
+
+    engine = FakeEngine()
+    engine.max_num_seqs = 8
+    EngineFeeder(engine, FixedBatchPolicy(8), SAMPLING, feed="drain").serve("le128", rows(40))
+    assert engine.max_seen == 8  # classic batches stay classic
