@@ -182,6 +182,8 @@ class GenerateStage:
                   records: list[dict[str, Any]]) -> dict[int, tuple[Completion, dict[str, Any] | None, str | None]]:
         """Structured annotations for `members`: (last completion, parsed value, why it is invalid)."""
         assert self.annotations is not None and self.parser is not None
+        if not members:  # every summary in the run failed: no engine call for nothing
+            return {}
         sampling = self.config.job.sampling
         first = self.annotations.max_new_tokens
         params = self.engine.sampling_params(sampling, max_tokens=first, json_schema=self.annotations.json_schema)
