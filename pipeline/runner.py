@@ -79,8 +79,6 @@ def init_ray(config: RunConfig) -> None:
 
 def prepared(config: RunConfig, inputs: Any, prepare: dict[str, Any]) -> Any:
     """The input read and run through the prepare stage (lazy: nothing runs yet)."""
-    import ray.data
-
     from pipeline.stages.prepare import PrepareStage
 
     return inputs.read().map_batches(
