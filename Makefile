@@ -41,7 +41,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The pipeline against raw vLLM and its own ablations, interleaved, 3 runs each:
-# about 10 minutes on 2 cores at the default 2,000 rows. BENCH_ARGS="--rows 4000 --scaling".
+# 12 minutes on 2 cores at the default 2,000 rows (measured). BENCH_ARGS="--rows 4000 --scaling".
 bench: $(STAMP)
 	$(BIN)/pipeline bench $(BENCH_ARGS)
 
