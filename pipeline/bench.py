@@ -225,17 +225,11 @@ def table_rows(summaries: dict[str, Summary]) -> list[dict[str, Any]]:
 
 
 def machine() -> dict[str, Any]:
+    """The machine's details for results: CPU, cores, memory, platform, versions."""
+    from pipeline.learned import cpu_name
     from pipeline.report import versions
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": psutil.cpu_count(logical=True), "physical_cores": psutil.cpu_count(logical=False),
+    return {"cpu": cpu_name(), "cores": psutil.cpu_count(logical=True), "physical_cores": psutil.cpu_count(logical=False),
             "memory_gib": round(psutil.virtual_memory().total / 2**30, 1), "platform": platform.platform(),
             "python": platform.python_version(), "versions": versions(), "gpu": None}
 

@@ -188,11 +188,9 @@ def _load_dataset(path: str, fmt: str, split: str, subset: str | None) -> Any:
 
 
 def _dataset_schema(ds: Any) -> pa.Schema:
-    features = ds.features
-    if features is None:  # a streamed dataset whose schema is known only once read
-        features = next(iter(ds.take(1).with_format("arrow").iter(batch_size=1))).schema
-        return features
-    return features.arrow_schema
+    if ds.features is None:  # a streamed dataset whose schema is known only once read
+        return next(iter(ds.take(1).with_format("arrow").iter(batch_size=1))).schema
+    return ds.features.arrow_schema
 
 
 def check_inputs(path: str, id_column: str, text_column: str,

@@ -20,6 +20,17 @@ import yaml
 log = logging.getLogger(__name__)
 
 
+def cpu_name() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo), else what platform knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def hardware_id(accelerator: str) -> str:
     """What the limits depend on: the GPU model, or the CPU model for the CPU backend."""
     if accelerator == "gpu":
@@ -27,15 +38,7 @@ def hardware_id(accelerator: str) -> str:
 
         nvml = open_nvml()
         return f"gpu:{nvml.name if nvml else 'unknown'}"
-    name = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"cpu:{name}"
+    return f"cpu:{cpu_name()}"
 
 
 def limits_key(model: str, hardware: str, max_model_len: int, dtype: str) -> dict[str, Any]:

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import platform
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import psutil
 
 from pipeline.config import RunConfig
 from pipeline.inputs import InputError
-from pipeline.report import versions
+from pipeline.bench import machine
 from pipeline.tune.choice import SweepPoint
 from pipeline.tune.outputs import write_outputs
 from pipeline.tune.sweep import BucketResult, collect_sample, run_sweep, tuning_engine
@@ -65,10 +63,7 @@ def tune_job(config: RunConfig, out: Path, sample: int = 64, buckets: tuple[str,
                    "kv_cache_tokens": engine.kv_cache_tokens, "max_model_len": engine.max_model_len,
                    "prefix_caching": False},
         "wall_s": round(time.monotonic() - started, 2),
-        "machine": {"platform": platform.platform(), "cpus": psutil.cpu_count(),
-                    "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
-                    "accelerator": profile.hardware.accelerator},
-        "versions": versions(),
+        "machine": {**machine(), "accelerator": profile.hardware.accelerator},
         "skipped_buckets": missing,
     }
     paths = write_outputs(out, config, results, meta)
