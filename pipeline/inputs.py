@@ -1,7 +1,8 @@
 """Find the input and check it before any model loads.
 
 Parquet: a path can be one file, a folder (searched recursively for
-`*.parquet`, skipping hidden and `_`-prefixed names) or a glob, on the local
+`*.parquet`, skipping files and folders with hidden or `_`-prefixed names,
+such as a run's staging) or a glob, on the local
 disk or behind a URI that pyarrow has a filesystem for (s3://, gs://, ...).
 The check reads only Parquet footers: schema and row counts.
 
@@ -25,7 +26,7 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from pipeline.sink import resolve
+from pipeline.fs import resolve
 
 _WILDCARDS = "*?["
 
@@ -64,14 +65,16 @@ class InputFiles:
 TEXT_TYPES = (pa.types.is_string, pa.types.is_large_string, pa.types.is_binary, pa.types.is_large_binary)
 
 
-def _visible(path: str) -> bool:
-    base = path.rsplit("/", 1)[-1]
-    return base.endswith(".parquet") and not base.startswith((".", "_"))
+def _visible(path: str, root: str) -> bool:
+    """A Parquet file under `root` with no hidden or `_`-prefixed name on the way down: a
+    run's staging (`.NAME.RUN.staging/`), `_temporary/` folders of other tools, `_SUCCESS`."""
+    names = path[len(root):].strip("/").split("/")
+    return names[-1].endswith(".parquet") and not any(n.startswith((".", "_")) for n in names)
 
 
-def _glob_match(path: str, pattern: str) -> bool:
+def _glob_match(path: str, pattern: str, base: str) -> bool:
     """Shell-style: `*` stays within one folder level unless the pattern has `**`."""
-    if not _visible(path) or not fnmatch.fnmatch(path, pattern):
+    if not _visible(path, base) or not fnmatch.fnmatch(path, pattern):
         return False
     return "**" in pattern or path.count("/") == pattern.count("/")
 
@@ -82,14 +85,14 @@ def list_files(path: str) -> tuple[pafs.FileSystem, list[str]]:
         cut = min(p.index(ch) for ch in _WILDCARDS if ch in p)
         base = p[:cut].rsplit("/", 1)[0] or "/"
         infos = fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
-        files = sorted(i.path for i in infos if i.is_file and _glob_match(i.path, p))
+        files = sorted(i.path for i in infos if i.is_file and _glob_match(i.path, p, base))
     else:
         info = fs.get_file_info(p)
         if info.type == pafs.FileType.NotFound:
             raise InputError(f"{path}: no such file or folder")
         if info.type == pafs.FileType.Directory:
             infos = fs.get_file_info(pafs.FileSelector(p, recursive=True))
-            files = sorted(i.path for i in infos if i.is_file and _visible(i.path))
+            files = sorted(i.path for i in infos if i.is_file and _visible(i.path, p))
         else:
             files = [p]
     if not files:

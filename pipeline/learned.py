@@ -17,6 +17,8 @@ from typing import Any
 
 import yaml
 
+from pipeline.fs import replace_local
+
 log = logging.getLogger(__name__)
 
 
@@ -67,11 +69,12 @@ def load_limits(path: str | None, key: dict[str, Any], max_age_days: float) -> d
 
 
 def save_limits(path: str, key: dict[str, Any], limits: dict[str, int]) -> None:
+    """Replace the file whole. Every run writes its own temporary file (runs of one profile
+    may finish together), and the last rename wins."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.tmp")
-    tmp.write_text(yaml.safe_dump({"key": key, "saved_at": time.time(), "limits": dict(sorted(limits.items()))}))
-    os.replace(tmp, target)
+    text = yaml.safe_dump({"key": key, "saved_at": time.time(), "limits": dict(sorted(limits.items()))})
+    replace_local(str(target), text.encode())
 
 
 def merge_limits(per_actor: list[dict[str, int]]) -> dict[str, int]:

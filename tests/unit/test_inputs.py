@@ -116,3 +116,23 @@ def test_hub_names_are_detected_and_fail_clearly_offline(tmp_path, monkeypatch):
     assert detect_format(str(tmp_path)) == "parquet"
     with pytest.raises(InputError, match=r"someone/some-dataset: cannot load as hub \(is the network reachable"):
         check_inputs("someone/some-dataset", "id", "text", set())
+
+
+def test_reading_a_parent_folder_skips_staging_and_underscore_folders(tmp_path):
+    """A run's staging beside its output (`.out.RUN.staging/output/part-*.parquet`) and
+    other tools' `_temporary/` folders are never input, in folders and globs alike."""
+    root = tmp_path / "outputs"
+    (root / "day1").mkdir(parents=True)
+    pq.write_table(table(), root / "day1" / "part-a.parquet")
+    for hidden in (".day2.20261130T000000Z-abcdef.staging/output", "day1/_temporary/0", ".git/objects"):
+        (root / hidden).mkdir(parents=True)
+        pq.write_table(table(), root / hidden / "part-b.parquet")
+    _, files = list_files(str(root))
+    assert files == [str(root / "day1" / "part-a.parquet")]
+    _, files = list_files(str(root / "**" / "*.parquet"))
+    assert files == [str(root / "day1" / "part-a.parquet")]
+    with pytest.raises(InputError, match="matches no Parquet files"):
+        list_files(str(root / "*" / "*" / "*.parquet"))  # only hidden folders are that deep
+    # Named outright, a hidden folder is read: the user asked for it.
+    _, files = list_files(str(root / ".git" / "objects"))
+    assert len(files) == 1

@@ -39,3 +39,36 @@ def test_stale_and_unreadable_files_are_ignored(tmp_path, caplog):
 
 def test_merge_keeps_the_smallest_limit_per_bucket():
     assert merge_limits([{"a": 10, "b": 5}, {"a": 7}, {}]) == {"a": 7, "b": 5}
+
+
+def _save_many(path: str, n: int, who: int, start: float) -> None:
+    while time.time() < start:
+        pass
+    for i in range(n):
+        save_limits(path, KEY, {"le128": who * 100_000 + i})
+
+
+def test_runs_that_save_at_the_same_moment_both_succeed_and_leave_valid_yaml(tmp_path):
+    """Two processes save the same profile's limits 300 times each, at once, while this
+    one reads the file: every read is a whole, valid file, and no temporary file is left."""
+    import multiprocessing
+
+    path = str(tmp_path / "l.yaml")
+    save_limits(path, KEY, {"le128": 1})
+    ctx = multiprocessing.get_context("spawn")
+    start = time.time() + 2.0
+    writers = [ctx.Process(target=_save_many, args=(path, 300, who, start)) for who in (1, 2)]
+    for w in writers:
+        w.start()
+    reads = 0
+    while any(w.is_alive() for w in writers):
+        data = yaml.safe_load(open(path).read())
+        assert data["key"] == KEY and len(data["limits"]) == 1
+        reads += 1
+    for w in writers:
+        w.join()
+        assert w.exitcode == 0
+    assert reads > 0
+    final = yaml.safe_load(open(path).read())["limits"]["le128"]
+    assert final in (100_299, 200_299)  # the last save of one of them, whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["l.yaml"]

@@ -1,0 +1,70 @@
+"""Paths to pyarrow filesystems: the one place that tells a local path from an object store.
+
+Nothing here imports Ray, so the CLI's checks can use it before a cluster starts.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pyarrow.fs as pafs
+
+
+def resolve(path: str) -> tuple[pafs.FileSystem, str]:
+    """A pyarrow filesystem and the path within it; local paths made absolute."""
+    if "://" in path:
+        return pafs.FileSystem.from_uri(path)
+    return pafs.LocalFileSystem(), os.path.abspath(path)
+
+
+def is_local(fs: pafs.FileSystem) -> bool:
+    """True where folders rename in one step and files can be created exclusively."""
+    return isinstance(fs, pafs.LocalFileSystem)
+
+
+def split(path: str) -> tuple[str, str]:
+    """(parent, name) of a path on any filesystem, ignoring a trailing slash."""
+    head, _, base = path.rstrip("/").rpartition("/")
+    return head, base
+
+
+def sibling(path: str, name: str) -> str:
+    """`name` in the folder that holds `path`."""
+    head, _ = split(path)
+    return f"{head}/{name}" if head else name
+
+
+def read_bytes(fs: pafs.FileSystem, path: str) -> bytes | None:
+    """The file's bytes, or None if there is no such file."""
+    try:
+        with fs.open_input_stream(path) as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
+def write_bytes(fs: pafs.FileSystem, path: str, data: bytes) -> None:
+    """Write a whole file that readers see whole: locally via `replace_local`; an object
+    store shows an object only once its upload completes."""
+    if is_local(fs):
+        replace_local(path, data)
+        return
+    with fs.open_output_stream(path) as f:
+        f.write(data)
+
+
+def replace_local(path: str, data: bytes) -> None:
+    """Write a local file through a temporary name of its own, then rename it into place:
+    writers that race each leave a whole file, and the last rename wins."""
+    head, base = os.path.split(path)
+    tmp = os.path.join(head, f".{base}.{uuid.uuid4().hex}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as for any file
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)  # our own temporary file
+        raise
