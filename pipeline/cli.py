@@ -71,6 +71,8 @@ def print_summary(report: dict[str, Any]) -> None:
     if tuned:
         out.print("batch sizes from pipeline tune: " + ", ".join(f"{b} {n}" for b, n in tuned.items()))
     out.print(f"output: {report['output']}  report: {report['report_path']}", soft_wrap=True)
+    for warning in report.get("warnings", []):
+        console.print(f"[yellow]warning:[/yellow] {warning}", soft_wrap=True, highlight=False)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -97,14 +99,17 @@ def main() -> None:
 @click.option("--on-bad-file", type=click.Choice(["fail", "skip"]), default=None,
               help="A corrupt file, or one missing the id or text column: stop (default) or skip it "
                    "and list it in the report.")
+@click.option("--backup-existing", is_flag=True, default=False,
+              help="The output folder holds files this pipeline did not write (or another job's output): "
+                   "move it aside to PATH.backup-<UTC time> when the run publishes, instead of refusing to run.")
 @click.option("--fail-on-error-rate", type=click.FloatRange(0.0, 1.0), default=None, metavar="X",
               help="Exit 3 when more than this share of rows end with status error (e.g. 0.01).")
 @click.option("--date", metavar="YYYY-MM-DD",
               help="The day for a job whose paths hold {date} (jobs/nightly_summarize.yaml). "
                    "Default: yesterday, UTC.")
 def run(job: Path, profile: Path, input_path: str | None, output_path: str | None,
-        overrides: tuple[str, ...], on_bad_file: str | None, fail_on_error_rate: float | None,
-        date: str | None) -> None:
+        overrides: tuple[str, ...], on_bad_file: str | None, backup_existing: bool,
+        fail_on_error_rate: float | None, date: str | None) -> None:
     """Run JOB over its input and write summaries to its output folder.
 
     Output: Parquet parts (the input columns, then summary, [the annotation
@@ -114,20 +119,31 @@ def run(job: Path, profile: Path, input_path: str | None, output_path: str | Non
     exactly once (with passages: once per passage), with status ok, error,
     skipped_too_long or invalid_output.
 
+    The run replaces only what it wrote itself: an output folder holding
+    anything else (or another job's output) stops it before it starts, unless
+    --backup-existing. One run at a time per output: a second is refused
+    while the first holds the output's lock.
+
     Exit status: 0 when the job ran, even if some rows have status `error`; 2
-    when the config or input is wrong (nothing ran); 3 when the share of error
-    rows exceeds --fail-on-error-rate; 1 on any other failure. The last line
-    says why.
+    when the config, input or output is wrong, or another run is writing the
+    output (nothing ran); 3 when the share of error rows exceeds
+    --fail-on-error-rate; 1 on any other failure. The last line says why.
     """
+    from pipeline.lease import OutputBusy
+    from pipeline.output import OutputError, PublishError
     from pipeline.runner import run_job
 
     if on_bad_file is not None:
         overrides = (*overrides, f"input.on_bad_file={on_bad_file}")
+    if backup_existing:
+        overrides = (*overrides, "output.backup_existing=true")
     try:
         config = load_run_config(job, profile, overrides, input_path, output_path, date=date)
         report = run_job(config)
-    except (ConfigError, InputError) as e:
+    except (ConfigError, InputError, OutputError, OutputBusy) as e:
         _fail(EXIT_BAD_CONFIG, str(e))
+    except PublishError as e:  # the run finished; its output waits in its staging
+        _fail(EXIT_FAILED, str(e))
     except KeyboardInterrupt:
         _fail(EXIT_FAILED, "interrupted")
     except Exception as e:  # infrastructure: the one-line reason goes last

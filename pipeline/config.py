@@ -51,6 +51,11 @@ class InputConfig(_Section):
 
 class OutputConfig(_Section):
     path: str = Field(description="Folder the Parquet parts and _report.json are written to.")
+    backup_existing: bool = Field(
+        False,
+        description="An output folder holding files this pipeline did not write (or another job's output): "
+        "move it aside to <path>.backup-<UTC time> when the run publishes, instead of refusing to run.",
+    )
 
 
 class PromptConfig(_Section):

@@ -12,7 +12,7 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from pipeline.sink import resolve
+from pipeline.fs import write_bytes
 
 REPORT_NAME = "_report.json"
 
@@ -167,26 +167,12 @@ def build_report(
     }
 
 
-def write_beside(output: str, name: str, data: bytes) -> str:
-    """Write `name` into the output folder, whole (via a temporary name locally)."""
-    fs, root = resolve(output)
-    final = f"{root}/{name}"
-    if isinstance(fs, pafs.LocalFileSystem):
-        tmp = f"{root}/.{name}.tmp"
-        with fs.open_output_stream(tmp) as f:
-            f.write(data)
-        fs.move(tmp, final)
-    else:
-        with fs.open_output_stream(final) as f:
-            f.write(data)
-    return final
+def write_beside(fs: pafs.FileSystem, folder: str, name: str, data: bytes) -> str:
+    """Write `name` into `folder`, whole."""
+    path = f"{folder}/{name}"
+    write_bytes(fs, path, data)
+    return path
 
 
-def write_report(output: str, report: dict[str, Any]) -> str:
-    return write_beside(output, REPORT_NAME, json.dumps(report, indent=2).encode())
-
-
-def read_report(output: str) -> dict[str, Any]:
-    fs, root = resolve(output)
-    with fs.open_input_stream(f"{root}/{REPORT_NAME}") as f:
-        return json.loads(f.read())
+def write_report(fs: pafs.FileSystem, folder: str, report: dict[str, Any]) -> str:
+    return write_beside(fs, folder, REPORT_NAME, json.dumps(report, indent=2).encode())

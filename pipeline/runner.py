@@ -4,8 +4,10 @@
     GenerateStage (one engine per actor) -> ParquetPartsSink -> _report.json -> publish
 
 Everything that can be checked without a model (config, input files, columns,
-template fields, annotation schema) is checked before Ray starts. The output
-appears whole, report included, or not at all (see `pipeline.sink`).
+template fields, annotation schema, what is at the output path and whether
+another run holds it) is checked before Ray starts. The output appears
+whole, report included, or not at all, and replaces only what the pipeline
+itself wrote there (see `pipeline.output`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import time
 import uuid
 from collections import Counter
 from datetime import datetime, timezone
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +30,7 @@ from pipeline.bucketing import LengthBucketer
 from pipeline.config import RunConfig
 from pipeline.engine import engine_kwargs
 from pipeline.inputs import InputError, check_inputs, duplicate_ids
+from pipeline.output import OutputTarget, PublishError
 from pipeline.plots import plot_trajectories
 from pipeline.report import REPORT_NAME, build_report, write_beside, write_report
 from pipeline.stages.prepare import context_limit
@@ -109,13 +113,10 @@ def corpus_percentile_cap(config: RunConfig, inputs: Any, prepare: dict[str, Any
 
 def run_job(config: RunConfig, run_id: str | None = None) -> dict[str, Any]:
     """Run the job end to end and return its report (also written as `_report.json`)."""
-    from pipeline.sink import ParquetPartsSink
-    from pipeline.stages.generate import GenerateStage
-
     run_id = run_id or new_run_id()
     started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
     started = time.monotonic()
-    job, profile = config.job, config.profile
+    job = config.job
 
     # 1. Checks that need no model and no cluster.
     inputs = job_inputs(config)
@@ -131,6 +132,32 @@ def run_job(config: RunConfig, run_id: str | None = None) -> dict[str, Any]:
                                           passages=job.passages is not None, annotation_fields=annotation_fields)
     except ValueError as e:
         raise InputError(f"{config.job_file}: {job.input.path}: {e}") from None
+
+    # 2. The output: this run's lease on it, a check of what is there, and the staging.
+    target = OutputTarget(job.output.path, job.name, run_id, backup_existing=job.output.backup_existing)
+    target.open()
+    try:
+        try:
+            report = _generate(config, run_id, inputs, out_schema, target, started, started_at)
+        except PublishError:
+            raise  # every row is written: the staging holds the complete output, and stays
+        except BaseException:
+            target.discard()
+            raise
+        # 5. Publish; a failure here keeps the staging, which holds the complete output.
+        report["warnings"] += target.publish()
+    finally:
+        target.close()
+    return report
+
+
+def _generate(config: RunConfig, run_id: str, inputs: Any, out_schema: pa.Schema, target: OutputTarget,
+              started: float, started_at: str) -> dict[str, Any]:
+    """Steps 3 and 4: generate every row into the staging, then the report beside them."""
+    from pipeline.sink import ParquetPartsSink
+    from pipeline.stages.generate import GenerateStage
+
+    job, profile = config.job, config.profile
     model_path = resolve_model(config)
     max_model_len = context_limit(model_path, profile.engine.max_model_len)
     bucketer = LengthBucketer(profile.batching.bucket_boundaries)
@@ -141,7 +168,7 @@ def run_job(config: RunConfig, run_id: str | None = None) -> dict[str, Any]:
         profile.batching.learned_limits, limits_key, profile.batching.learned_max_age_days
     )
 
-    # 2. The dataset: nothing runs until the write pulls it.
+    # 3. The dataset: nothing runs until the write pulls it.
     init_ray(config)
     hw, batching = profile.hardware, profile.batching
     prepare = {"config": config, "model_path": model_path, "max_model_len": max_model_len}
@@ -164,27 +191,33 @@ def run_job(config: RunConfig, run_id: str | None = None) -> dict[str, Any]:
         num_cpus=hw.engine_num_cpus,
         num_gpus=1 if hw.accelerator == "gpu" else 0,
     )
-    sink = ParquetPartsSink(job.output.path, run_id, out_schema)
+    sink = ParquetPartsSink(target.fs, target.staging.data, run_id, out_schema)
     ds.write_datasink(sink)
+    return finish(config, sink, target, run_id, inputs, started, started_at, model_path, max_model_len,
+                  bucketer, limits_key, start_limits, percentile_cap)
+
+
+def _side_step(warnings: list[str], what: str, step: Callable[[], Any]) -> Any:
+    """Run a step that the output does not depend on: its failure is a warning in the
+    report, never the loss of a run whose rows are all written. None if it failed."""
     try:
-        report = _finish(config, sink, run_id, inputs, started, started_at, model_path, max_model_len,
-                         bucketer, limits_key, start_limits, percentile_cap)
-    except BaseException:
-        sink.discard()
-        raise
-    sink.publish()
-    return report
+        return step()
+    except Exception as e:
+        message = f"{what} failed: {type(e).__name__}: {e}"
+        log.warning("%s (the output is published regardless)", message)
+        warnings.append(message)
+        return None
 
 
-def _finish(config: RunConfig, sink: Any, run_id: str, inputs: Any, started: float, started_at: str,
-            model_path: str, max_model_len: int, bucketer: LengthBucketer, limits_key: str,
-            start_limits: Any, percentile_cap: int | None) -> dict[str, Any]:
+def finish(config: RunConfig, sink: Any, target: OutputTarget, run_id: str, inputs: Any, started: float,
+           started_at: str, model_path: str, max_model_len: int, bucketer: LengthBucketer, limits_key: dict[str, Any],
+           start_limits: Any, percentile_cap: int | None) -> dict[str, Any]:
     """Build the report from what was written, and put it (and the plot) beside the parts."""
     job, profile = config.job, config.profile
     if sink.summary is None:
         raise RuntimeError("the write finished without reporting what it wrote")
 
-    # 3. The report, written last: its presence means the output is complete.
+    # 4. The report, written last: its presence means the output is complete.
     report = build_report(
         run_id=run_id,
         config=config,
@@ -212,16 +245,31 @@ def _finish(config: RunConfig, sink: Any, run_id: str, inputs: Any, started: flo
                         "truncated": sink.summary["truncated"], "chunked": sink.summary["chunked"]}
     report["batching"]["learned_limits"] = {"path": profile.batching.learned_limits, "key": limits_key,
                                             "started_from": start_limits}
+    warnings = list(target.warnings)  # a lock taken over, staging left by a killed run
     if profile.batching.learned_limits and profile.batching.policy == "adaptive":
         limits = learned.merge_limits([a["learned"] for a in report["engine"]["actors"]])
         if limits:
-            learned.save_limits(profile.batching.learned_limits, limits_key, limits)
-            report["batching"]["learned_limits"]["saved"] = limits
-    png = plot_trajectories(report)
-    final = sink.output.rstrip("/")
-    report["plot_path"] = f"{final}/{PLOT_NAME}" if png else None
+            def save() -> dict[str, int]:
+                learned.save_limits(profile.batching.learned_limits, limits_key, limits)
+                return limits
+
+            report["batching"]["learned_limits"]["saved"] = _side_step(
+                warnings, f"saving learned limits to {profile.batching.learned_limits}", save)
+
+    def draw() -> bool:
+        png = plot_trajectories(report)
+        if png:
+            write_beside(target.fs, target.staging.data, PLOT_NAME, png)
+        return png is not None
+
+    final = job.output.path.rstrip("/")
+    report["plot_path"] = f"{final}/{PLOT_NAME}" if _side_step(warnings, "drawing the batching plot", draw) else None
     report["report_path"] = f"{final}/{REPORT_NAME}"
-    if png:
-        write_beside(sink.root, PLOT_NAME, png)
-    write_report(sink.root, report)
+    # The output may have changed during the run: check again, and say what publishing replaces.
+    report["publish"] = target.plan()
+    if report["publish"]["backup"]:
+        warnings.append(f"{final} holds files this pipeline did not write: moved aside to "
+                        f"{report['publish']['backup']} (--backup-existing)")
+    report["warnings"] = warnings
+    write_report(target.fs, target.staging.data, report)
     return report

@@ -1,31 +1,18 @@
-"""Write output rows as Parquet parts, publish the output folder whole, and collect stats.
+"""Write output rows as Parquet parts into a run's staging folder, and collect stats.
 
 Each write task writes one file named by run id and task index, so parallel
 writers never collide. Each task returns the stats the report needs (counts
 per status, prompt lengths per bucket, engine calls), so the report is built
 from what was written without reading the output back.
 
-Locally, the run writes into a hidden staging folder beside the output
-(`.NAME.RUN_ID.staging`); `publish` swaps it into place in one step once the
-parts and the report are all there, and removes what was there before. A
-reader sees the old output or the new one, never a half-written one, and a
-re-run of the same output (a nightly `dt=` partition) replaces it whole: no
-appended duplicates. On Linux the swap is one `renameat2(RENAME_EXCHANGE)`;
-elsewhere it is two renames, between which the folder is briefly absent.
-
-Object stores have no folder rename: there the parts go straight to the
-output (each object appears only once its upload completes) and earlier
-runs' parts are deleted after the report is written.
+The sink writes only into the folder it is given: the run's staging
+(`pipeline.output`), which the runner publishes once the report is there too.
+Publishing, and what may be replaced or deleted, is not the sink's business.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import json
-import os
-import shutil
-import sys
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 from typing import Any
@@ -43,64 +30,19 @@ from pipeline.stages.generate import ENGINE_CALL_STATS
 PART_PREFIX = "part-"
 
 
-def resolve(path: str) -> tuple[pafs.FileSystem, str]:
-    """A pyarrow filesystem and the path within it; local paths made absolute."""
-    if "://" in path:
-        return pafs.FileSystem.from_uri(path)
-    return pafs.LocalFileSystem(), os.path.abspath(path)
-
-
-_RENAME_EXCHANGE = 2
-
-
-def _exchange(a: str, b: str) -> bool:
-    """Swap two paths atomically (Linux renameat2); False where unsupported."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-        renameat2 = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    at_fdcwd = -100
-    if renameat2(at_fdcwd, a.encode(), at_fdcwd, b.encode(), _RENAME_EXCHANGE) == 0:
-        return True
-    return False
-
-
-def publish_dir(staging: str, final: str) -> None:
-    """Put the folder `staging` at `final`, replacing whatever was there, in one step."""
-    if not os.path.exists(final):
-        os.makedirs(os.path.dirname(final) or ".", exist_ok=True)
-        os.rename(staging, final)
-        return
-    if _exchange(staging, final):
-        shutil.rmtree(staging)  # now the old output
-        return
-    old = f"{staging}.old"
-    os.rename(final, old)
-    os.rename(staging, final)
-    shutil.rmtree(old)
-
-
 class ParquetPartsSink(Datasink[dict[str, Any]]):
-    def __init__(self, output: str, run_id: str, output_schema: pa.Schema):
-        self.output = output
+    def __init__(self, fs: pafs.FileSystem, root: str, run_id: str, output_schema: pa.Schema):
+        self.fs = fs
+        self.root = root  # the run's staging folder: the parts go here, and nowhere else
         self.run_id = run_id
         self.schema = output_schema
         self.summary: dict[str, Any] | None = None
-        fs, final = resolve(output)
-        self.local = isinstance(fs, pafs.LocalFileSystem)
-        head, base = os.path.split(final.rstrip("/"))
-        # Where the parts (and the report) are written until `publish`.
-        self.root = os.path.join(head, f".{base}.{run_id}.staging") if self.local else output
 
     def get_name(self) -> str:
         return "ParquetParts"
 
     def on_write_start(self, schema: pa.Schema | None = None) -> None:
-        fs, root = resolve(self.root)
-        fs.create_dir(root, recursive=True)
+        self.fs.create_dir(self.root, recursive=True)
 
     def write(self, blocks: Iterable[Block], ctx: Any) -> dict[str, Any]:
         tables = [BlockAccessor.for_block(b).to_arrow() for b in blocks]
@@ -111,35 +53,12 @@ class ParquetPartsSink(Datasink[dict[str, Any]]):
         stats = _block_stats(table)
         out = schema.conform(table, self.schema)
 
-        fs, root = resolve(self.root)
         name = f"{PART_PREFIX}{self.run_id}-{ctx.task_idx:05d}.parquet"
-        pq.write_table(out, f"{root}/{name}", filesystem=fs)
+        pq.write_table(out, f"{self.root}/{name}", filesystem=self.fs)
         return {"file": name, **stats}
 
     def on_write_complete(self, write_result: WriteResult[dict[str, Any]]) -> None:
         self.summary = merge_stats(write_result.write_returns)
-
-    def publish(self) -> None:
-        """Make this run's output the output: call once the report is in `root` too."""
-        if self.local:
-            publish_dir(resolve(self.root)[1], resolve(self.output)[1])
-            return
-        # Object stores: only now retire earlier runs' parts, so a failed run
-        # leaves the previous output readable.
-        fs, root = resolve(self.output)
-        mine = set(self.summary["files"] if self.summary else ())
-        for info in fs.get_file_info(pafs.FileSelector(root)):
-            base = info.base_name
-            if base.startswith(PART_PREFIX) and base.endswith(".parquet") and base not in mine:
-                fs.delete_file(info.path)
-
-    def discard(self) -> None:
-        """A failed run: remove the staging folder; the previous output stays as it was."""
-        if self.local:
-            shutil.rmtree(resolve(self.root)[1], ignore_errors=True)
-
-    def on_write_failed(self, error: Exception) -> None:
-        self.discard()
 
 
 def _block_stats(table: pa.Table) -> dict[str, Any]:

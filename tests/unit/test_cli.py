@@ -1,5 +1,7 @@
+import os
 import subprocess
 import sys
+import time
 
 from click.testing import CliRunner
 
@@ -33,3 +35,31 @@ def test_missing_input_exits_2_before_any_model_loads(tmp_path):
                                   str(REPO / "conf/local.yaml"), "--input", str(tmp_path / "none.parquet")])
     assert r.exit_code == EXIT_BAD_CONFIG
     assert "no such file" in r.output
+
+
+def test_an_output_folder_of_foreign_files_exits_2_before_ray_and_keeps_every_byte(tmp_path, tiny_model):
+    from pipeline.dev.corpus import write_corpus
+
+    corpus = write_corpus(tmp_path / "c.parquet", rows=20, seed=0)
+    user = tmp_path / "user"
+    (user / "notes" / "deep").mkdir(parents=True)
+    files = {"thesis.tex": b"\\documentclass{article}", "notes/a.txt": b"a", "notes/deep/b.bin": bytes(range(256))}
+    for name, data in files.items():
+        (user / name).write_bytes(data)
+    started = time.monotonic()
+    r = subprocess.run(
+        [sys.executable, "-m", "pipeline", "run", "jobs/nightly_summarize.yaml", "--profile", "conf/local.yaml",
+         "--input", str(corpus), "--output", str(user), "--set", f"model.name={tiny_model}"],
+        capture_output=True, text=True, cwd=REPO, timeout=120,
+    )
+    assert r.returncode == EXIT_BAD_CONFIG, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: {user} holds files this pipeline did not write: notes/, thesis.tex")
+    assert time.monotonic() - started < 30 and "Ray instance" not in r.stderr
+    assert {str(p.relative_to(user)): p.read_bytes() for p in user.rglob("*") if p.is_file()} == files
+    assert sorted(os.listdir(tmp_path)) == ["c.parquet", "user"]  # no lock, no staging left
+
+
+def test_backup_existing_is_a_flag_of_run():
+    r = CliRunner().invoke(main, ["run", "--help"])
+    assert "--backup-existing" in r.output

@@ -6,6 +6,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline import schema
+from pipeline.output import OutputError, OutputTarget
+from pipeline.report import write_report
 from pipeline.sink import ParquetPartsSink, _block_stats, merge_stats
 from pipeline.stages.generate import ENGINE_CALL_STATS
 
@@ -26,6 +28,9 @@ def block(ids, bucket, call, first_stats=None, status="ok"):
     })
 
 
+JOB = "nightly_summarize"
+
+
 class Ctx:
     def __init__(self, i):
         self.task_idx = i
@@ -33,25 +38,32 @@ class Ctx:
 
 def test_parts_are_whole_and_stats_merge(tmp_path):
     out_schema = schema.output_schema(pa.schema([("id", pa.string()), ("text", pa.string())]), "id", "text")
-    # An earlier run's output: it stays readable, whole, until this run publishes.
-    (tmp_path / "out").mkdir()
-    stale = tmp_path / "out" / "part-run0-00000.parquet"
+    # An earlier run of this job: it stays readable, whole, until this run publishes.
+    out = tmp_path / "out"
+    out.mkdir()
+    stale = out / "part-run0-00000.parquet"
     pq.write_table(pa.table({"x": [1]}), stale)
-    sink = ParquetPartsSink(str(tmp_path / "out"), "run1", out_schema)
+    (out / "_report.json").write_text(json.dumps({"job": JOB, "run_id": "run0", "files": [stale.name]}))
+    target = OutputTarget(str(out), JOB, "run1")
+    target.open()
+    sink = ParquetPartsSink(target.fs, target.staging.data, "run1", out_schema)
     sink.on_write_start()
     r0 = sink.write([block(["a", "b"], "le128", "c0", {"call": "c0", "rows": 3})], Ctx(0))
     r1 = sink.write([block(["c"], "le128", "c0"), block(["d"], "le256", "c1", {"call": "c1", "rows": 1})], Ctx(1))
-    assert os.listdir(tmp_path / "out") == ["part-run0-00000.parquet"]
+    assert sorted(os.listdir(out)) == ["_report.json", "part-run0-00000.parquet"]
     assert sorted(os.listdir(sink.root)) == ["part-run1-00000.parquet", "part-run1-00001.parquet"]
 
     class WR:
         write_returns = [r0, r1]
 
     sink.on_write_complete(WR())
-    sink.publish()
+    write_report(target.fs, sink.root, {"job": JOB, "run_id": "run1", "files": sink.summary["files"]})
+    target.plan()
+    target.publish()
+    target.close()
     assert not stale.exists() and not os.path.exists(sink.root)
     assert sorted(os.listdir(tmp_path)) == ["out"]
-    written = pq.read_table(tmp_path / "out")
+    written = pq.read_table(out)
     assert written.schema == out_schema  # working columns dropped
     assert sorted(written.column("id").to_pylist()) == ["a", "b", "c", "d"]
     s = sink.summary
@@ -60,6 +72,16 @@ def test_parts_are_whole_and_stats_merge(tmp_path):
     # Call c0's rows span two parts; its range and row count merge.
     assert s["calls"]["c0"]["rows_written"] == 3 and s["calls"]["c0"]["rows"] == 3
     assert s["calls"]["c0"]["buckets"] == ["le128"]
+
+
+def test_parts_without_a_report_are_not_ours_to_replace(tmp_path):
+    """Once replaced by any run; now refused: nothing proves the pipeline wrote them."""
+    out = tmp_path / "out"
+    out.mkdir()
+    pq.write_table(pa.table({"x": [1]}), out / "part-run0-00000.parquet")
+    with pytest.raises(OutputError, match="part-run0-00000.parquet"):
+        OutputTarget(str(out), JOB, "run1").open()
+    assert os.listdir(out) == ["part-run0-00000.parquet"]
 
 
 def test_merge_stats_of_empty_tasks():
@@ -75,33 +97,40 @@ def test_block_stats_counts_status():
 
 def test_a_failed_run_leaves_the_previous_output_and_no_staging(tmp_path):
     out_schema = schema.output_schema(pa.schema([("id", pa.string()), ("text", pa.string())]), "id", "text")
-    first = ParquetPartsSink(str(tmp_path / "out"), "run1", out_schema)
-    first.on_write_start()
-    first.write([block(["a"], "le128", "c0")], Ctx(0))
-    first.publish()  # nothing there before: a plain rename
-    second = ParquetPartsSink(str(tmp_path / "out"), "run2", out_schema)
-    second.on_write_start()
-    second.write([block(["b"], "le128", "c0")], Ctx(0))
-    second.on_write_failed(RuntimeError("boom"))
+    for run_id, ids, fails in (("run1", ["a"], False), ("run2", ["b"], True)):
+        target = OutputTarget(str(tmp_path / "out"), JOB, run_id)
+        target.open()
+        sink = ParquetPartsSink(target.fs, target.staging.data, run_id, out_schema)
+        sink.on_write_start()
+        written = sink.write([block(ids, "le128", "c0")], Ctx(0))
+        if fails:
+            target.discard()
+        else:
+            write_report(target.fs, sink.root, {"job": JOB, "run_id": run_id, "files": [written["file"]]})
+            target.plan()
+            target.publish()  # nothing there before: a plain rename
+        target.close()
     assert sorted(os.listdir(tmp_path)) == ["out"]
     assert pq.read_table(tmp_path / "out").column("id").to_pylist() == ["a"]
 
 
-def test_publish_swaps_whole_folders(tmp_path, monkeypatch):
-    """Both ways of swapping: the atomic exchange, and two renames where it is missing."""
-    from pipeline import sink as sink_module
-
-    for exchange in (True, False):
-        final, staging = tmp_path / f"final{exchange}", tmp_path / f"staging{exchange}"
-        final.mkdir()
-        (final / "old.txt").write_text("old")
-        staging.mkdir()
-        (staging / "new.txt").write_text("new")
-        if not exchange:
-            monkeypatch.setattr(sink_module, "_exchange", lambda a, b: False)
-        sink_module.publish_dir(str(staging), str(final))
-        assert os.listdir(final) == ["new.txt"] and not staging.exists()
-    assert sorted(os.listdir(tmp_path)) == ["finalFalse", "finalTrue"]
+def test_a_folder_holding_other_files_is_moved_aside_never_replaced(tmp_path):
+    """Once `old.txt` was deleted by publishing; now it stops the run, or with
+    --backup-existing is moved aside whole."""
+    final = tmp_path / "final"
+    final.mkdir()
+    (final / "old.txt").write_text("old")
+    with pytest.raises(OutputError, match="old.txt"):
+        OutputTarget(str(final), JOB, "run1").open()
+    target = OutputTarget(str(final), JOB, "run1", backup_existing=True)
+    target.open()
+    write_report(target.fs, target.staging.data, {"job": JOB, "run_id": "run1", "files": []})
+    plan = target.plan()
+    target.publish()
+    target.close()
+    assert os.listdir(final) == ["_report.json"]
+    assert open(os.path.join(plan["backup"], "old.txt")).read() == "old"
+    assert sorted(os.listdir(tmp_path)) == ["final", os.path.basename(plan["backup"])]
 
 
 @pytest.mark.parametrize("values", [[5], [3, 1, 2], [4, 1, 3, 2], [7, 7, 7, 1], [10, 11, 10, 12, 300, 2]])

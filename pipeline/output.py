@@ -1,0 +1,370 @@
+"""What a run may write, replace and delete at its output path, and how its output goes live.
+
+One rule, for local folders and object stores alike: the pipeline deletes or
+replaces only what it can prove it wrote.
+- The files that an earlier `_report.json` of the same job at that output
+  lists: its parts (`files`), the report itself and its plot (`plot_path`).
+- Its own staging: `.<name>.<run_id>.staging` beside the output, holding a
+  marker `_staging.json` that names the job, run id, host, pid and process
+  start time. Only staging whose marker names this run is ever deleted.
+
+Anything else at the output path (a foreign file or folder, another job's
+output, an unreadable report, a file where the folder should be) stops the
+run before Ray starts, and again at publish time if it appeared during the
+run. With `output.backup_existing` (`--backup-existing`) such an output is
+moved aside to `<path>.backup-<UTC time>` when the run publishes, and the
+report says where. Nothing is deleted that the pipeline did not write.
+
+The staging life cycle (README, "What the pipeline may delete"):
+1. `open`: take the output's lease (`pipeline.lease`), check the output,
+   create the staging folder and its marker. All before Ray starts.
+2. The write tasks put the parts into `<staging>/output/`; the report and the
+   plot follow once every part is there.
+3. `publish`: check again; then, locally, swap `<staging>/output` into place in
+   one step (Linux `renameat2(RENAME_EXCHANGE)`, else two renames), delete the
+   earlier run's listed files from what was swapped out, and remove the staging.
+   On object stores (no folder rename), copy the parts in, the report last,
+   then delete the earlier run's listed files that this run did not replace.
+4. `discard` (a failed run): remove this run's staging. A run killed outright
+   leaves it; the next run of the output names it in a warning and leaves it be.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import json
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, Literal
+
+import pyarrow.fs as pafs
+
+from pipeline.fs import is_local, read_bytes, resolve, sibling, split, write_bytes
+from pipeline.lease import Owner, OutputLease
+from pipeline.report import REPORT_NAME
+
+log = logging.getLogger(__name__)
+
+STAGING_MARKER = "_staging.json"
+STAGING_SUFFIX = ".staging"
+SHOWN_ENTRIES = 5
+
+
+class OutputError(ValueError):
+    """The output path holds something this run may not replace; nothing ran."""
+
+
+class PublishError(RuntimeError):
+    """The run finished but could not publish; its complete output stays in its staging."""
+
+
+# --- what is at the output path ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Survey:
+    """What the output path holds, judged against the rule above."""
+
+    path: str
+    state: Literal["absent", "empty", "ours", "foreign"]
+    owned: tuple[str, ...] = ()  # names an earlier run of this job listed, present now
+    previous_run: str | None = None
+    foreign: tuple[str, ...] = ()  # entries it can't prove it wrote; folders end in "/"
+    why: str = ""
+
+    def refusal(self) -> str:
+        shown = ", ".join(self.foreign[:SHOWN_ENTRIES])
+        if len(self.foreign) > SHOWN_ENTRIES:
+            shown += f" and {len(self.foreign) - SHOWN_ENTRIES} more"
+        return (f"{self.path} {self.why}: {shown}. Nothing was changed. Choose a new or empty folder, or pass "
+                f"--backup-existing to move it aside to {self.path}.backup-<UTC time> when the run publishes.")
+
+
+def _listed(report: dict[str, Any]) -> set[str]:
+    """The names a report says its run wrote into the output folder."""
+    files = report["files"]
+    if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+        raise TypeError("files is not a list of names")
+    names = {REPORT_NAME, *files}
+    if report.get("plot_path"):
+        names.add(split(str(report["plot_path"]))[1])
+    return {n for n in names if n and "/" not in n}
+
+
+def survey(fs: pafs.FileSystem, path: str, job: str) -> Survey:
+    info = fs.get_file_info(path)
+    if info.type == pafs.FileType.NotFound:
+        return Survey(path, "absent")
+    if info.type != pafs.FileType.Directory:
+        return Survey(path, "foreign", foreign=(split(path)[1],), why="is a file, not a folder")
+    entries = {e.base_name + ("/" if e.type == pafs.FileType.Directory else ""): e
+               for e in fs.get_file_info(pafs.FileSelector(path))}
+    if not entries:
+        return Survey(path, "empty")
+    owned: set[str] = set()
+    previous = None
+    why = "holds files this pipeline did not write"
+    if REPORT_NAME in entries:
+        try:
+            report = json.loads(read_bytes(fs, f"{path}/{REPORT_NAME}") or b"")
+            their_job, previous = report["job"], str(report["run_id"])
+            listed = _listed(report)
+        except (ValueError, KeyError, TypeError) as e:
+            why = f"holds files this pipeline did not write ({REPORT_NAME} is unreadable: {type(e).__name__}: {e})"
+        else:
+            if their_job != job:
+                return Survey(path, "foreign", previous_run=previous, foreign=tuple(sorted(entries)),
+                              why=f"holds the output of job {their_job!r} (run {previous}), not of {job!r}")
+            owned = {n for n in entries if n in listed}
+    foreign = tuple(sorted(n for n in entries if n not in owned))
+    if foreign:
+        return Survey(path, "foreign", tuple(sorted(owned)), previous, foreign, why)
+    return Survey(path, "ours", tuple(sorted(owned)), previous)
+
+
+# --- staging ---------------------------------------------------------------------
+
+
+def staging_root(output: str, run_id: str) -> str:
+    return sibling(output, f".{split(output)[1]}.{run_id}{STAGING_SUFFIX}")
+
+
+@dataclass(frozen=True)
+class Staging:
+    fs: pafs.FileSystem
+    root: str
+    owner: Owner
+
+    @property
+    def data(self) -> str:
+        """Where the output is assembled: parts, report, plot."""
+        return f"{self.root}/output"
+
+    def create(self) -> None:
+        self.fs.create_dir(self.data, recursive=True)
+        marker = {**self.owner.to_json(), "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+        write_bytes(self.fs, f"{self.root}/{STAGING_MARKER}", json.dumps(marker, indent=2).encode())
+
+    def marker(self) -> Owner | None:
+        return read_marker(self.fs, self.root)
+
+    def remove(self) -> bool:
+        """Delete the staging if its marker names this run; False (and nothing deleted) otherwise."""
+        mark = self.marker()
+        if mark is None or mark.run_id != self.owner.run_id:
+            log.warning("not removing %s: its marker does not name run %s", self.root, self.owner.run_id)
+            return False
+        self.fs.delete_dir(self.root)
+        return True
+
+
+def read_marker(fs: pafs.FileSystem, root: str) -> Owner | None:
+    data = read_bytes(fs, f"{root}/{STAGING_MARKER}")
+    if data is None:
+        return None
+    try:
+        return Owner.from_json(json.loads(data))
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def leftover_staging(fs: pafs.FileSystem, output: str, run_id: str) -> list[tuple[str, Owner]]:
+    """Marked staging of other runs of this output (runs killed outright), beside it."""
+    head, base = split(output)
+    found = []
+    for e in fs.get_file_info(pafs.FileSelector(head, allow_not_found=True)):
+        name = e.base_name
+        if (e.type == pafs.FileType.Directory and name.startswith(f".{base}.") and name.endswith(STAGING_SUFFIX)
+                and name != split(staging_root(output, run_id))[1]):
+            owner = read_marker(fs, e.path)
+            if owner is not None:
+                found.append((e.path, owner))
+    return found
+
+
+# --- moving folders ---------------------------------------------------------------
+
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap two local paths atomically (Linux renameat2); False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd = -100
+    return renameat2(at_fdcwd, a.encode(), at_fdcwd, b.encode(), _RENAME_EXCHANGE) == 0
+
+
+def _move_tree(fs: pafs.FileSystem, src: str, dst: str) -> None:
+    """Move a folder (or a file) whole: a rename locally, copy then delete on object stores."""
+    if is_local(fs):
+        os.rename(src, dst)
+        return
+    info = fs.get_file_info(src)
+    if info.type == pafs.FileType.File:
+        fs.copy_file(src, dst)
+        fs.delete_file(src)
+        return
+    files = [e for e in fs.get_file_info(pafs.FileSelector(src, recursive=True)) if e.type == pafs.FileType.File]
+    for e in files:
+        target = dst + e.path[len(src):]
+        fs.create_dir(split(target)[0], recursive=True)
+        fs.copy_file(e.path, target)
+    for e in files:  # only once every copy is there
+        fs.delete_file(e.path)
+
+
+def backup_path(fs: pafs.FileSystem, path: str) -> str:
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    candidate, n = f"{path}.backup-{stamp}", 1
+    while fs.get_file_info(candidate).type != pafs.FileType.NotFound:
+        n += 1
+        candidate = f"{path}.backup-{stamp}-{n}"
+    return candidate
+
+
+# --- one run's output ------------------------------------------------------------------
+
+
+class OutputTarget:
+    """One run's output: its lease, its staging and publishing. Use `open` before Ray
+    starts, write into `staging.data`, then `plan` and `publish` (or `discard`), and
+    always `close`."""
+
+    def __init__(self, output: str, job: str, run_id: str, *, backup_existing: bool = False,
+                 filesystem: pafs.FileSystem | None = None):
+        if filesystem is None:
+            self.fs, self.path = resolve(output)
+        else:
+            self.fs, self.path = filesystem, output
+        self.path = self.path.rstrip("/") or "/"
+        self.output, self.job, self.backup_existing = output, job, backup_existing
+        self.local = is_local(self.fs)
+        head, base = split(self.path)
+        if not base or base in (".", ".."):
+            raise OutputError(f"{output}: an output needs a folder of its own, not the root of a filesystem")
+        self.owner = Owner.this_process(run_id, job)
+        self.lease = OutputLease(self.fs, self.path, self.owner)
+        self.staging = Staging(self.fs, staging_root(self.path, run_id), self.owner)
+        self.warnings: list[str] = []
+        self._planned: tuple[Survey, str | None] | None = None
+
+    def survey(self) -> Survey:
+        return survey(self.fs, self.path, self.job)
+
+    def open(self) -> Survey:
+        """Take the lease, check the output, create the staging. OutputError or OutputBusy
+        (both ValueErrors: exit 2) if this run may not write here."""
+        taken = self.lease.acquire()
+        try:
+            if taken:
+                self.warnings.append(taken)
+            found = self.survey()
+            if found.state == "foreign" and not self.backup_existing:
+                raise OutputError(found.refusal())
+            for root, owner in leftover_staging(self.fs, self.path, self.owner.run_id):
+                note = (f"{root}: staging left by {owner.describe()}, which did not finish; "
+                        "kept as it is (delete it once you no longer need its parts)")
+                log.warning(note)
+                self.warnings.append(note)
+            self.staging.create()
+        except BaseException:
+            self.lease.release()
+            raise
+        return found
+
+    def plan(self) -> dict[str, Any]:
+        """Check the output again at the end of the run and say what publishing will do
+        (for the report, written before `publish`)."""
+        found = self.survey()
+        if found.state == "foreign" and not self.backup_existing:
+            raise PublishError(f"{found.refusal()} It changed during the run. {self._kept()}")
+        backup = backup_path(self.fs, self.path) if found.state == "foreign" else None
+        self._planned = (found, backup)
+        return {"replaces_run": found.previous_run, "replaces_files": len(found.owned), "backup": backup}
+
+    def _kept(self) -> str:
+        return f"This run's complete output is kept in {self.staging.data}."
+
+    def publish(self) -> list[str]:
+        """Make the staged output the output; returns warnings of its own. On PublishError
+        the staging is kept."""
+        if self._planned is None:
+            raise RuntimeError("publish() before plan()")
+        planned, backup = self._planned
+        self.lease.check()
+        found = self.survey()
+        if (found.state, found.owned, found.foreign) != (planned.state, planned.owned, planned.foreign):
+            raise PublishError(f"{self.path} changed while publishing ({planned.state} -> {found.state}). "
+                               f"{self._kept()}")
+        warned = len(self.warnings)
+        try:
+            if self.local:
+                self._publish_local(found, backup)
+            else:
+                self._publish_object_store(found, backup)
+        except OSError as e:
+            raise PublishError(f"{self.path}: publishing failed ({e}). {self._kept()}") from e
+        self.staging.remove()
+        return self.warnings[warned:]
+
+    def _publish_local(self, found: Survey, backup: str | None) -> None:
+        data, final = self.staging.data, self.path
+        if found.state == "absent":
+            os.makedirs(split(final)[0] or "/", exist_ok=True)
+            os.rename(data, final)
+            return
+        if found.state == "foreign":
+            assert backup is not None
+            os.rename(final, backup)
+            os.rename(data, final)
+            return
+        # Ours (or empty): swap, then clear what was swapped out, file by listed file.
+        if _exchange(data, final):
+            old = data
+        else:
+            old = f"{self.staging.root}/previous"
+            os.rename(final, old)
+            os.rename(data, final)
+        for name in found.owned:
+            os.remove(f"{old}/{name}")
+        try:
+            os.rmdir(old)
+        except OSError:  # something appeared in the old output in the last moment: keep it
+            keep = backup_path(self.fs, final)
+            os.rename(old, keep)
+            self.warnings.append(f"{final}: entries that appeared while publishing were moved aside to {keep}")
+
+    def _publish_object_store(self, found: Survey, backup: str | None) -> None:
+        fs, data, final = self.fs, self.staging.data, self.path
+        if found.state == "foreign":
+            assert backup is not None
+            _move_tree(fs, final, backup)
+        mine = sorted((e.base_name for e in fs.get_file_info(pafs.FileSelector(data)) if e.type == pafs.FileType.File),
+                      key=lambda n: (n == REPORT_NAME, n))  # the report last: its presence means complete
+        fs.create_dir(final, recursive=True)
+        for name in mine:
+            fs.copy_file(f"{data}/{name}", f"{final}/{name}")
+        if found.state == "ours":
+            for name in found.owned:
+                if name not in mine:
+                    fs.delete_file(f"{final}/{name}")
+
+    def discard(self) -> None:
+        """A failed run: remove its staging; the output stays as it was."""
+        try:
+            self.staging.remove()
+        except OSError as e:
+            log.warning("could not remove %s: %s", self.staging.root, e)
+
+    def close(self) -> None:
+        self.lease.release()
