@@ -40,11 +40,16 @@ def test_rerunning_a_date_replaces_its_partition_and_leaves_the_others(job_run, 
     written = pq.read_table(day)
 
     assert report["date"] == DATE and report["run_id"] != job_run.report["run_id"]
+    # What it replaced is what the earlier report listed: its parts, report and plot.
+    assert report["publish"] == {"replaces_run": job_run.report["run_id"],
+                                 "replaces_files": len(job_run.report["files"]) + 1 + bool(job_run.report["plot_path"]),
+                                 "backup": None}
+    assert report["warnings"] == []
     # The partition holds the new run only: every id once, none of the old parts left.
     assert Counter(written.column("id").to_pylist()) == Counter(job_run.corpus.column("id").to_pylist())
     assert set(written.column("run_id").to_pylist()) == {report["run_id"]}
     assert not old_parts & set(os.listdir(day))
     assert set(written.column("output_tokens").to_pylist()) <= {1, 2, 3, 4}
-    # The other day is untouched, and no staging folder is left behind.
+    # The other day is untouched, and no staging folder or lock is left behind.
     assert snapshot(out_root / f"dt={OTHER_DATE}") == other
     assert sorted(os.listdir(out_root)) == [f"dt={OTHER_DATE}", f"dt={DATE}"]
