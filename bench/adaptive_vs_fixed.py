@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from pipeline.bench import run_process
+from pipeline.machine import describe
 
 REPO = Path(__file__).resolve().parents[1]
 SYSTEMS = {
@@ -31,13 +32,12 @@ SYSTEMS = {
 
 
 def run(profile: str, corpus: Path, out: Path, sets: list[str]) -> dict:
+    """One run through the CLI, as a user would; its report. The log lands beside the output."""
     cmd = [sys.executable, "-m", "pipeline", "run", "jobs/nightly_summarize.yaml", "--profile", profile,
            "--input", str(corpus), "--output", str(out)]
     for s in sets:
         cmd += ["--set", s]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+    run_process(cmd, out.with_suffix(".log"))
     return json.loads((out / "_report.json").read_text())
 
 
@@ -68,9 +68,7 @@ def main() -> None:
                 })
                 print(json.dumps(rows[-1]), flush=True)
 
-    machine = {"cpu": platform.processor() or platform.machine(), "python": platform.python_version(),
-               "versions": r["versions"], "cores": __import__("os").cpu_count()}
-    Path(args.out + ".json").write_text(json.dumps({"machine": machine, "results": rows}, indent=2))
+    Path(args.out + ".json").write_text(json.dumps({"machine": describe(), "results": rows}, indent=2))
     lines = [
         f"# Adaptive vs fixed batch sizes ({args.rows} rows, sample corpus, tiny model, vLLM CPU backend)",
         "",

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -43,6 +42,8 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+
+from pipeline.machine import describe
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET, TARGET_ROWS = 0.95, 4000  # pipeline / raw steady throughput, from this many rows
@@ -107,7 +108,7 @@ def raw_vllm(corpus: str, output: str, sets: list[str], result: str) -> None:
 
     from pipeline import schema
     from pipeline.config import load_run_config
-    from pipeline.engine import engine_kwargs
+    from pipeline.stages.generate import engine_kwargs
     from pipeline.runner import resolve_model
     from pipeline.stages.prepare import PrepareStage, context_limit
 
@@ -224,16 +225,6 @@ def table_rows(summaries: dict[str, Summary]) -> list[dict[str, Any]]:
     return rows
 
 
-def machine() -> dict[str, Any]:
-    """The machine's details for results: CPU, cores, memory, platform, versions."""
-    from pipeline.learned import cpu_name
-    from pipeline.report import versions
-
-    return {"cpu": cpu_name(), "cores": psutil.cpu_count(logical=True), "physical_cores": psutil.cpu_count(logical=False),
-            "memory_gib": round(psutil.virtual_memory().total / 2**30, 1), "platform": platform.platform(),
-            "python": platform.python_version(), "versions": versions(), "gpu": None}
-
-
 def _fmt(v: Any, spec: str = ",.0f") -> str:
     return "-" if v is None else format(v, spec)
 
@@ -243,7 +234,8 @@ def markdown(result: dict[str, Any]) -> str:
     lines = [
         f"# Benchmark: the pipeline against raw vLLM ({result['rows']:,} rows)",
         "",
-        f"{result['finished_at']} · {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB · "
+        f"{result['finished_at']} · {m['cpu']} ({', '.join(m.get('cpu_flags') or ['no AVX2/AVX-512'])}), "
+        f"{m['cores']} cores, {m['memory_gib']} GiB · "
         f"vllm {m['versions'].get('vllm')}, ray {m['versions'].get('ray')}, torch {m['versions'].get('torch')} · "
         f"model {result['model']}, {result['max_new_tokens']} new tokens per row · "
         f"{result['repeats']} interleaved runs per system; medians, with the range (min..max) beneath.",
@@ -314,7 +306,7 @@ def bench(rows: int, repeats: int, fixed: list[int], out: Path, scaling: list[in
     result = {
         "rows": rows, "repeats": repeats, "model": config.profile.model.name,
         "max_new_tokens": config.job.sampling.max_new_tokens, "job": JOB, "profile": PROFILE,
-        "finished_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
+        "finished_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": describe(),
         "systems": table_rows(summarize(runs)), "runs": runs, "scaling": scale,
     }
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import platform
 import time
 from pathlib import Path
 from typing import Any
@@ -18,25 +17,15 @@ from typing import Any
 import yaml
 
 from pipeline.fs import replace_local
+from pipeline.machine import cpu_name
 
 log = logging.getLogger(__name__)
-
-
-def cpu_name() -> str:
-    """The CPU's model name (Linux: /proc/cpuinfo), else what platform knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def hardware_id(accelerator: str) -> str:
     """What the limits depend on: the GPU model, or the CPU model for the CPU backend."""
     if accelerator == "gpu":
-        from pipeline.memory import open_nvml
+        from pipeline.generation.memory import open_nvml
 
         nvml = open_nvml()
         return f"gpu:{nvml.name if nvml else 'unknown'}"

@@ -28,7 +28,6 @@ import pyarrow.compute as pc
 from pipeline import learned, schema
 from pipeline.bucketing import LengthBucketer
 from pipeline.config import RunConfig
-from pipeline.engine import engine_kwargs
 from pipeline.inputs import InputError, check_inputs, duplicate_ids
 from pipeline.output import OutputTarget, PublishError
 from pipeline.plots import plot_trajectories
@@ -213,6 +212,8 @@ def finish(config: RunConfig, sink: Any, target: OutputTarget, run_id: str, inpu
            started_at: str, model_path: str, max_model_len: int, bucketer: LengthBucketer, limits_key: dict[str, Any],
            start_limits: Any, percentile_cap: int | None) -> dict[str, Any]:
     """Build the report from what was written, and put it (and the plot) beside the parts."""
+    from pipeline.stages.generate import engine_kwargs
+
     job, profile = config.job, config.profile
     if sink.summary is None:
         raise RuntimeError("the write finished without reporting what it wrote")

@@ -62,6 +62,7 @@ PROMPT_TOKEN_IDS = "_prompt_token_ids"
 CHUNK_TEXTS = "_chunk_texts"  # under `length.policy: chunk`: the windows' text
 BUCKET_INDEX = "_bucket_index"
 ENGINE_CALL = "_engine_call"
+ENGINE_CALL_STATS = "_engine_call_stats"  # a batch's engine-call records (JSON list), on its first row
 ANNOTATION_TOKEN_IDS = "_annotation_token_ids"
 INTERNAL_PREFIX = "_"
 

@@ -25,7 +25,6 @@ from ray.data.block import Block, BlockAccessor
 from ray.data.datasource.datasink import WriteResult
 
 from pipeline import schema
-from pipeline.stages.generate import ENGINE_CALL_STATS
 
 PART_PREFIX = "part-"
 
@@ -83,7 +82,7 @@ def _block_stats(table: pa.Table) -> dict[str, Any]:
             c["min_prompt_tokens"] = min(c["min_prompt_tokens"], p)
             c["max_prompt_tokens"] = max(c["max_prompt_tokens"], p)
             c["rows_written"] += 1
-    call_records = [r for x in table.column(ENGINE_CALL_STATS).to_pylist() if x for r in json.loads(x)]
+    call_records = [r for x in table.column(schema.ENGINE_CALL_STATS).to_pylist() if x for r in json.loads(x)]
     return {
         "rows": table.num_rows,
         "status": dict(Counter(status)),

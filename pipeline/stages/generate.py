@@ -11,7 +11,10 @@ summarized map-reduce: each window, then the joined summaries, recursively.
 
 An *engine call* is one bucket's run of rows within a batch: the feeder keeps
 the engine full with them, admitting rows as others finish, and never mixes
-buckets in one call.
+buckets in one call. This stage is the adapter between Arrow batches and the
+generation core (`pipeline.generation`): it derives the engine's and the
+policy's settings from the config, turns rows into requests and completions
+into columns; what is generated, and how, is `pipeline.generation.tasks`.
 
 Annotations are a second call per bucket, constrained by vLLM structured
 outputs to the job's JSON Schema. Each output is parsed and validated; the
@@ -31,18 +34,56 @@ import pyarrow as pa
 
 from pipeline import schema
 from pipeline.annotations import AnnotationParser
-from pipeline.batching import BatchPolicy, FixedBatchPolicy
 from pipeline.bucketing import LengthBucketer
-from pipeline.config import RunConfig
-from pipeline.controller import BatchSizeController, ControllerSettings
-from pipeline.engine import Completion, VLLMEngine
-from pipeline.feeder import EngineFeeder
+from pipeline.config import EngineConfig, RunConfig, SamplingConfig
+from pipeline.generation.engine import Completion, Engine, Sampling
+from pipeline.generation.feeder import EngineFeeder, FaultInjector
+from pipeline.generation.policy import BatchPolicy, BatchSizeController, ControllerSettings, FixedBatchPolicy
+from pipeline.generation.tasks import EngineCalls, annotate, map_reduce, summarize
+from pipeline.generation.vllm import VLLMEngine, VLLMSettings
 from pipeline.length import char_span, windows
-from pipeline.stages.prepare import PrepareStage
 from pipeline.schema import Status
+from pipeline.stages.prepare import PrepareStage
 
-ENGINE_CALL_STATS = "_engine_call_stats"
-MAX_REDUCE_LEVELS = 8
+
+def engine_kwargs(model: str, engine: EngineConfig, seed: int | None) -> dict[str, Any]:
+    """Keyword arguments for `vllm.LLM`, from the profile's engine section."""
+    kwargs: dict[str, Any] = {
+        "model": model,
+        "dtype": engine.dtype,
+        "gpu_memory_utilization": engine.gpu_memory_utilization,
+        "enforce_eager": engine.enforce_eager,
+        # Stats on: they are how the engine reports KV-cache use and preemptions.
+        "disable_log_stats": False,
+        "seed": seed if seed is not None else 0,
+    }
+    optional = {
+        "max_model_len": engine.max_model_len,
+        "num_gpu_blocks_override": engine.num_gpu_blocks_override,
+        "max_num_seqs": engine.max_num_seqs,
+        "max_num_batched_tokens": engine.max_num_batched_tokens,
+    }
+    kwargs.update({k: v for k, v in optional.items() if v is not None})
+    # JSON without free whitespace: a weak model otherwise pads it with newlines
+    # until max tokens cut it off (seen with the tiny model: 700 tokens of "\n").
+    kwargs["structured_outputs_config"] = {
+        "backend": engine.structured_outputs_backend, "disable_any_whitespace": True,
+    }
+    kwargs.update(engine.extra)
+    return kwargs
+
+
+def vllm_settings(model: str, engine: EngineConfig, seed: int | None) -> VLLMSettings:
+    return VLLMSettings(engine_kwargs(model, engine, seed), startup_backoff=engine.startup_backoff,
+                        min_gpu_memory_utilization=engine.min_gpu_memory_utilization,
+                        cpu_kvcache_space_gib=engine.cpu_kvcache_space_gib)
+
+
+def sampling_of(sampling: SamplingConfig, max_new_tokens: int | None = None,
+                json_schema: dict[str, Any] | None = None) -> Sampling:
+    """The job's sampling as the generation core takes it."""
+    return Sampling(max_new_tokens or sampling.max_new_tokens, sampling.temperature, sampling.top_p,
+                    sampling.seed, json_schema)
 
 
 def bucket_runs(rows: list[int], buckets: list[int], grouping: str,
@@ -60,7 +101,7 @@ def bucket_runs(rows: list[int], buckets: list[int], grouping: str,
     return [(names[k], list(g)) for k, g in groupby(ordered, key=lambda i: buckets[i])]
 
 
-def make_policy(config: RunConfig, engine: VLLMEngine, learned: dict[str, int] | None) -> BatchPolicy:
+def make_policy(config: RunConfig, engine: Engine, learned: dict[str, int] | None) -> BatchPolicy:
     b = config.profile.batching
     if b.policy in ("fixed", "tuned"):
         return FixedBatchPolicy(b.rows_per_call, b.tuned_rows if b.policy == "tuned" else None)
@@ -73,25 +114,25 @@ def make_policy(config: RunConfig, engine: VLLMEngine, learned: dict[str, int] |
 
 
 class GenerateStage:
-    """Engine actor: the engine is built once, here, and reused for every batch."""
+    """Engine actor: the engine is built once, here, and reused for every batch.
+    `engine` replaces vLLM (the unit tests pass a fake with the same interface)."""
 
     def __init__(self, config: RunConfig, model_path: str, run_id: str,
-                 learned: dict[str, int] | None = None):
-        self.grouping = config.profile.batching.bucket_grouping
-        self.model_name = config.profile.model.name
-        self.run_id = run_id
-        self.bucket_names = LengthBucketer(config.profile.batching.bucket_boundaries).names
-        self.engine = VLLMEngine(model_path, config.profile.engine, seed=config.job.sampling.seed)
-        self.policy = make_policy(config, self.engine, learned)
-        self.feeder = EngineFeeder(
-            self.engine, self.policy, config.job.sampling,
-            feed=config.profile.batching.feed, debug=config.profile.debug,
-        )
-        self.actor = uuid.uuid4().hex[:8]
-        self.calls = 0
+                 learned: dict[str, int] | None = None, engine: Engine | None = None):
+        batching, debug = config.profile.batching, config.profile.debug
         self.config = config
         self.model_path = model_path
-        self.bucketer = LengthBucketer(config.profile.batching.bucket_boundaries)
+        self.grouping = batching.bucket_grouping
+        self.model_name = config.profile.model.name
+        self.run_id = run_id
+        self.bucketer = LengthBucketer(batching.bucket_boundaries)
+        self.engine = engine or VLLMEngine(vllm_settings(model_path, config.profile.engine, config.job.sampling.seed))
+        self.policy = make_policy(config, self.engine, learned)
+        self.feeder = EngineFeeder(self.engine, self.policy, feed=batching.feed,
+                                   faults=FaultInjector(debug.inject_oom_at_batch, debug.inject_oom_kind))
+        self.actor = uuid.uuid4().hex[:8]
+        self.calls = EngineCalls(self.feeder, self.actor, self.actor_totals, self.engine_info)
+        self.sampling = sampling_of(config.job.sampling)
         self.prep: PrepareStage | None = None  # tokenizer for map-reduce prompts, loaded on first need
         self.annotations = config.job.annotations
         self.parser = None if self.annotations is None else AnnotationParser(self.annotations.json_schema)
@@ -121,94 +162,29 @@ class GenerateStage:
             "learned": self.policy.learned_limits(),
         }
 
-    def _serve(self, bucket: str, items: list[tuple[int, list[int]]], records: list[dict[str, Any]],
-               kind: str = "rows", params: Any = None, max_new_tokens: int | None = None
-               ) -> tuple[str, dict[int, Any]]:
-        served = self.feeder.serve(bucket, items, params, max_new_tokens)
-        call_id = f"{self.actor}-{self.calls:05d}"
-        record = {"call": call_id, "kind": kind, **served.record, "actor": self.actor_totals()}
-        if self.calls == 0:
-            record["engine"] = self.engine_info()
-        self.calls += 1
-        records.append(record)
-        return call_id, served.completions
-
     def _summarize_chunked(self, rows: dict[int, dict[str, Any]], pieces: dict[int, list[str]],
                            records: list[dict[str, Any]]) -> dict[int, Completion]:
-        """Map-reduce: summarize every window, then the joined summaries, level by
-        level for all chunked rows of the batch at once, until one summary is left."""
+        """Map-reduce over the batch's chunked rows, with this model's tokenizer and template."""
         if self.prep is None:
             self.prep = PrepareStage(self.config, self.model_path, self.engine.max_model_len)
         prep = self.prep
-        done: dict[int, Completion] = {}
-        level = dict(pieces)
-        for depth in range(1, MAX_REDUCE_LEVELS + 1):
-            owners, items = [], []
-            for i, texts in level.items():
-                for text in texts:
-                    owners.append(i)
-                    items.append(prep.encode([prep.render(rows[i], text)])[0])
-            bucket = self.bucket_names[self.bucketer.index(max(len(x) for x in items))]
-            _, completions = self._serve(bucket, list(enumerate(items)), records, kind=f"chunk-level-{depth}")
-            summaries: dict[int, list[Completion]] = {}
-            for k, i in enumerate(owners):
-                summaries.setdefault(i, []).append(completions[k])
-            level = {}
-            for i, parts in summaries.items():
-                failed = next((c for c in parts if c.error is not None), None)
-                if failed is not None:
-                    done[i] = failed
-                elif len(parts) == 1:
-                    done[i] = parts[0]
-                else:
-                    combined = "\n\n".join(c.text or "" for c in parts)
-                    level[i] = self._pieces(prep, rows[i], combined)
-            if not level:
-                return done
-        for i in level:
-            done[i] = Completion(None, 0, 0.0, error=f"chunk summaries did not converge in {MAX_REDUCE_LEVELS} levels")
-        return done
 
-    def _pieces(self, prep: PrepareStage, row: dict[str, Any], text: str) -> list[str]:
-        """The joined summaries as one piece if they fit the context, else windows again."""
-        room = prep.max_prompt_tokens - len(prep.encode([prep.render(row, "")])[0])
-        ids, offsets = prep.text_tokens(text)
-        if len(ids) <= room:
-            return [text]
-        spans = windows(offsets, text, room, min(self.config.job.length.chunk_overlap, room // 4))
-        return [text[a:b] for a, b in (char_span(offsets, s, e) for s, e in spans)]
+        def encode(i: int, text: str) -> list[int]:
+            return prep.encode([prep.render(rows[i], text)])[0]
 
-    def _annotate(self, bucket: str, members: list[int], token_ids: list[list[int] | None],
-                  records: list[dict[str, Any]]) -> dict[int, tuple[Completion, dict[str, Any] | None, str | None]]:
-        """Structured annotations for `members`: (last completion, parsed value, why it is invalid)."""
-        assert self.annotations is not None and self.parser is not None
-        if not members:  # every summary in the run failed: no engine call for nothing
-            return {}
-        sampling = self.config.job.sampling
-        first = self.annotations.max_new_tokens
-        params = self.engine.sampling_params(sampling, max_tokens=first, json_schema=self.annotations.json_schema)
-        _, done = self._serve(bucket, [(i, token_ids[i]) for i in members], records, "annotations", params, first)
-        out = {i: (c, *self.parser.parse(c.text)) for i, c in done.items() if c.error is None}
-        failed = {i: c for i, c in done.items() if c.error is not None}
+        def split(i: int, text: str) -> list[str]:
+            """The joined summaries as one piece if they fit the context, else windows again."""
+            room = prep.max_prompt_tokens - len(encode(i, ""))
+            ids, offsets = prep.text_tokens(text)
+            if len(ids) <= room:
+                return [text]
+            spans = windows(offsets, text, room, min(self.config.job.length.chunk_overlap, room // 4))
+            return [text[a:b] for a, b in (char_span(offsets, s, e) for s, e in spans)]
 
-        # One retry with more room for the outputs that did not validate.
-        retry = [i for i, (_, value, _) in out.items() if value is None]
-        if retry:
-            longest = max(len(token_ids[i]) for i in retry)
-            room = min(self.annotations.retry_max_new_tokens or 2 * first, self.engine.max_model_len - longest)
-            if room > first:
-                params = self.engine.sampling_params(sampling, max_tokens=room,
-                                                     json_schema=self.annotations.json_schema)
-                _, again = self._serve(bucket, [(i, token_ids[i]) for i in retry], records,
-                                       "annotations-retry", params, room)
-                for i, c in again.items():
-                    spent = out[i][0].output_tokens
-                    merged = Completion(c.text, c.output_tokens + spent, c.latency_s + out[i][0].latency_s,
-                                        c.finish_reason, c.error)
-                    out[i] = (merged, None, c.error) if c.error else (merged, *self.parser.parse(c.text))
-        for i, c in failed.items():
-            out[i] = (c, None, None)
-        return out
+        def bucket_of(tokens: int) -> str:
+            return self.bucketer.names[self.bucketer.index(tokens)]
+
+        return map_reduce(self.calls, pieces, encode, split, bucket_of, self.sampling, records)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         n = batch.num_rows
@@ -236,15 +212,20 @@ class GenerateStage:
 
         # 1. Whole documents, one engine call per bucket.
         whole = [i for i in range(n) if status[i] == Status.OK and chunk_texts[i] is None]
-        for bucket, members in bucket_runs(whole, buckets, self.grouping, self.bucket_names):
-            call_id, completions = self._serve(bucket, [(i, token_ids[i]) for i in members], records)
-            for i in members:
+        for bucket, members in bucket_runs(whole, buckets, self.grouping, self.bucketer.names):
+            for i, (call_id, c) in summarize(self.calls, [(bucket, members)], token_ids, self.sampling,
+                                              records).items():
                 call_of[i] = call_id
-                settle(i, completions[i])
-            if not annotating:
+                settle(i, c)
+            if self.annotations is None or self.parser is None:
                 continue
             todo = [i for i in members if status[i] == Status.OK and annotation_ids[i] is not None]
-            for i, (c, value, invalid) in self._annotate(bucket, todo, annotation_ids, records).items():
+            sampling = sampling_of(self.config.job.sampling, self.annotations.max_new_tokens,
+                                   self.annotations.json_schema)
+            done = annotate(self.calls, bucket, todo, annotation_ids, sampling, self.parser.parse,
+                            self.annotations.retry_max_new_tokens, self.engine.max_model_len, records)
+            for i, a in done.items():
+                c, value, invalid = a.completion, a.value, a.invalid
                 output_tokens[i] += c.output_tokens
                 latency[i] = (latency[i] or 0.0) + c.latency_s
                 if c.error is not None:
@@ -278,7 +259,7 @@ class GenerateStage:
             "model": pa.array([self.model_name] * n, pa.string()),
             "run_id": pa.array([self.run_id] * n, pa.string()),
             schema.ENGINE_CALL: pa.array(call_of, pa.string()),
-            ENGINE_CALL_STATS: pa.array(call_stats, pa.string()),
+            schema.ENGINE_CALL_STATS: pa.array(call_stats, pa.string()),
         }
         for name, values in columns.items():
             out = out.append_column(name, values)
@@ -288,6 +269,6 @@ class GenerateStage:
         # Ray Data's teardown hook for actor stages: on graceful shutdown it drops
         # the UDF after the last task and before the actor exits. Closing here
         # stops the engine core with the actor rather than on a parent-death signal.
-        engine = getattr(self, "engine", None)
-        if engine is not None:
-            engine.close()
+        close = getattr(getattr(self, "engine", None), "close", None)
+        if close is not None:
+            close()

@@ -11,7 +11,7 @@ from typing import Any
 
 from pipeline.config import RunConfig
 from pipeline.inputs import InputError
-from pipeline.bench import machine
+from pipeline.machine import describe
 from pipeline.tune.choice import SweepPoint
 from pipeline.tune.outputs import write_outputs
 from pipeline.tune.sweep import BucketResult, collect_sample, run_sweep, tuning_engine
@@ -63,7 +63,7 @@ def tune_job(config: RunConfig, out: Path, sample: int = 64, buckets: tuple[str,
                    "kv_cache_tokens": engine.kv_cache_tokens, "max_model_len": engine.max_model_len,
                    "prefix_caching": False},
         "wall_s": round(time.monotonic() - started, 2),
-        "machine": {**machine(), "accelerator": profile.hardware.accelerator},
+        "machine": {**describe(), "accelerator": profile.hardware.accelerator},
         "skipped_buckets": missing,
     }
     paths = write_outputs(out, config, results, meta)

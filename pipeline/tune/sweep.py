@@ -38,8 +38,10 @@ import pyarrow as pa
 
 from pipeline import schema
 from pipeline.config import RunConfig
-from pipeline.engine import VLLMEngine, is_engine_oom
-from pipeline.memory import MemoryProbe
+from pipeline.generation.engine import Engine, Sampling, is_oom
+from pipeline.generation.feeder import restore_engine
+from pipeline.generation.memory import MemoryProbe
+from pipeline.generation.vllm import VLLMEngine
 from pipeline.schema import Status
 from pipeline.tune.choice import Choice, SweepPoint, choose, repeats_agree, stop_reason
 
@@ -74,7 +76,7 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
-def measure(engine: VLLMEngine, probe: MemoryProbe, params: Any, prompts: list[list[int]],
+def measure(engine: Engine, probe: MemoryProbe, sampling: Sampling, prompts: list[list[int]],
             batch: int, rows: int, offset: int = 0) -> Window:
     """Run `rows` prompts (cycling through `prompts` from `offset`) with `batch` in flight."""
     w = Window()
@@ -86,7 +88,7 @@ def measure(engine: VLLMEngine, probe: MemoryProbe, params: Any, prompts: list[l
     try:
         while next_row < rows or submitted:
             while next_row < rows and len(submitted) < batch:
-                rid = engine.submit(prompts[(offset + next_row) % len(prompts)], params)
+                rid = engine.submit(prompts[(offset + next_row) % len(prompts)], sampling)
                 submitted[rid] = time.monotonic()
                 next_row += 1
             finished = engine.step()
@@ -104,25 +106,22 @@ def measure(engine: VLLMEngine, probe: MemoryProbe, params: Any, prompts: list[l
                     w.rows += 1
                 last_done = now
     except Exception as e:
-        if not is_engine_oom(e):
+        if not is_oom(e):
             raise
         w.oom = f"{type(e).__name__}: {e}"
-        if type(e).__name__ == "EngineDeadError":
-            engine.rebuild(w.oom)
-        else:
-            engine.abort(list(submitted))
+        restore_engine(engine, e, list(submitted))
         return w
     w.seconds = last_done - (first_done or last_done)
     w.preemptions = max(0, engine.kv_gauges()[1] - preempt_start)
     return w
 
 
-def measure_point(engine: VLLMEngine, probe: MemoryProbe, params: Any, prompts: list[list[int]],
+def measure_point(engine: Engine, probe: MemoryProbe, sampling: Sampling, prompts: list[list[int]],
                   batch: int) -> tuple[SweepPoint, list[Window]]:
     rows = max(WAVES * batch, MIN_WINDOW_ROWS)
     windows: list[Window] = []
     while len(windows) < MAX_REPEATS:
-        w = measure(engine, probe, params, prompts, batch, rows, offset=len(windows) * rows)
+        w = measure(engine, probe, sampling, prompts, batch, rows, offset=len(windows) * rows)
         windows.append(w)
         if w.oom:
             break
@@ -156,20 +155,20 @@ def grid(limit: int) -> list[int]:
     return sizes if sizes[-1] == limit else [*sizes, limit]
 
 
-def sweep_bucket(engine: VLLMEngine, probe: MemoryProbe, params: Any, prompts: list[list[int]],
+def sweep_bucket(engine: Engine, probe: MemoryProbe, sampling: Sampling, prompts: list[list[int]],
                  max_batch: int, memory_target: float,
                  on_point: Callable[[SweepPoint], None] | None = None) -> tuple[list[SweepPoint], str | None]:
     """Measure the grid until it ends or a stop rule fires; the points, and why it stopped."""
     points: list[SweepPoint] = []
     for batch in grid(max_batch):
-        point, _ = measure_point(engine, probe, params, prompts, batch)
+        point, _ = measure_point(engine, probe, sampling, prompts, batch)
         points.append(point)
         reason = stop_reason(points, memory_target)
         if reason is not None and not point.oom and point.peak_pressure < memory_target \
                 and point.spread > NOISY_SPREAD:
             # A plateau seen by a point whose windows never agreed may be noise (on a
             # busy 2-core machine one window can run 40% slow): measure it again first.
-            point, _ = measure_point(engine, probe, params, prompts, batch)
+            point, _ = measure_point(engine, probe, sampling, prompts, batch)
             points[-1] = point
             reason = stop_reason(points, memory_target)
         if on_point is not None:
@@ -218,9 +217,11 @@ def collect_sample(config: RunConfig, inputs: Any, model_path: str, max_model_le
 
 
 def tuning_engine(config: RunConfig, model_path: str) -> VLLMEngine:
+    from pipeline.stages.generate import vllm_settings
+
     engine = config.profile.engine
     extra = {"enable_prefix_caching": False, **engine.extra}
-    return VLLMEngine(model_path, engine.model_copy(update={"extra": extra}), seed=config.job.sampling.seed)
+    return VLLMEngine(vllm_settings(model_path, engine.model_copy(update={"extra": extra}), config.job.sampling.seed))
 
 
 @dataclass
@@ -243,7 +244,7 @@ class BucketResult:
         }
 
 
-def run_sweep(config: RunConfig, engine: VLLMEngine, sample: dict[str, list[list[int]]], max_batch: int | None,
+def run_sweep(config: RunConfig, engine: Engine, sample: dict[str, list[list[int]]], max_batch: int | None,
               latency_slo_p99_ms: float | None,
               on_point: Callable[[str, SweepPoint], None] | None = None) -> dict[str, BucketResult]:
     """Sweep every sampled bucket, shortest first, and choose a batch size for each."""
@@ -251,13 +252,15 @@ def run_sweep(config: RunConfig, engine: VLLMEngine, sample: dict[str, list[list
 
     order = LengthBucketer(config.profile.batching.bucket_boundaries).names
     probe = MemoryProbe(kv_gauges=engine.kv_gauges, preallocated=True)
-    params = engine.sampling_params(config.job.sampling)
+    from pipeline.stages.generate import sampling_of
+
+    sampling = sampling_of(config.job.sampling)
     limit = min(max_batch or engine.max_num_seqs, engine.max_num_seqs)
     target = config.profile.batching.memory_target
     results: dict[str, BucketResult] = {}
     for bucket in sorted(sample, key=order.index):
         prompts = sample[bucket]
-        points, stopped = sweep_bucket(engine, probe, params, prompts, limit, target,
+        points, stopped = sweep_bucket(engine, probe, sampling, prompts, limit, target,
                                        None if on_point is None else (lambda p, b=bucket: on_point(b, p)))
         mean_tokens = statistics.mean(len(p) for p in prompts)
         try:

@@ -2,10 +2,11 @@
 
 import pytest
 
-from pipeline.batching import FixedBatchPolicy
 from pipeline.config import EngineConfig, SamplingConfig
-from pipeline.engine import VLLMEngine
-from pipeline.feeder import EngineFeeder
+from pipeline.generation.feeder import EngineFeeder
+from pipeline.generation.policy import FixedBatchPolicy
+from pipeline.generation.vllm import EngineStartupError, VLLMEngine
+from pipeline.stages.generate import sampling_of, vllm_settings
 
 pytestmark = pytest.mark.integration
 
@@ -14,12 +15,12 @@ pytestmark = pytest.mark.integration
 def engine(tiny_model):
     # 0.99 of the NUMA node's memory is more than is ever free: the first start
     # fails the CPU worker's memory check, and the retry at 0.99 x 0.2 starts.
-    e = VLLMEngine(
+    e = VLLMEngine(vllm_settings(
         str(tiny_model),
         EngineConfig(max_model_len=512, dtype="bfloat16", gpu_memory_utilization=0.99,
                      startup_backoff=0.2, enforce_eager=True),
         seed=0,
-    )
+    ))
     yield e
     e.close()
 
@@ -31,11 +32,10 @@ def test_start_up_memory_failure_is_retried_with_less(engine):
 
 
 def test_start_up_gives_up_clearly_at_the_floor(tiny_model):
-    from pipeline.engine import EngineStartupError
-
     with pytest.raises(EngineStartupError, match=r"tried: 0.99; floor 0.5"):
-        VLLMEngine(str(tiny_model), EngineConfig(max_model_len=512, gpu_memory_utilization=0.99,
-                                                 min_gpu_memory_utilization=0.5, enforce_eager=True))
+        VLLMEngine(vllm_settings(str(tiny_model), EngineConfig(max_model_len=512, gpu_memory_utilization=0.99,
+                                                               min_gpu_memory_utilization=0.5, enforce_eager=True),
+                                 seed=0))
 
 
 def prompts(n, length=20):
@@ -44,7 +44,8 @@ def prompts(n, length=20):
 
 def generate(engine, batch, sampling):
     """The prompts as one call through the feeder the pipeline uses: completions in order, and the call's record."""
-    served = EngineFeeder(engine, FixedBatchPolicy(len(batch)), sampling).serve("test", list(enumerate(batch)))
+    served = EngineFeeder(engine, FixedBatchPolicy(len(batch))).serve("test", list(enumerate(batch)),
+                                                                      sampling_of(sampling))
     return [served.completions[i] for i in range(len(batch))], served.record
 
 

@@ -143,7 +143,7 @@ def test_tuned_policy_needs_rows_per_bucket():
 
 
 def test_fixed_policy_takes_per_bucket_rows():
-    from pipeline.batching import FixedBatchPolicy
+    from pipeline.generation.policy import FixedBatchPolicy
 
     policy = FixedBatchPolicy(64, {"le128": 8})
     assert policy.rows_for("le128", 100.0) == 8 and policy.rows_for("le512", 100.0) == 64

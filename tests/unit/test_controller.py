@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.controller import BatchSizeController, ControllerSettings, Observation
+from pipeline.generation.policy import BatchSizeController, ControllerSettings, Observation
 
 
 class SimEngine:

@@ -1,6 +1,9 @@
 """Classifying engine failures from what vLLM prints (no engine needed)."""
 
-from pipeline.engine import _root_cause, is_engine_oom, mentions_memory_failure
+import pytest
+
+from pipeline.generation.engine import EngineDead, is_oom
+from pipeline.generation.vllm import VLLMEngine, _root_cause, mentions_memory_failure
 
 # What vLLM 0.32's CPU backend logs when gpu_memory_utilization asks for too much.
 CPU_STARTUP_LOG = """\
@@ -34,12 +37,34 @@ def test_gpu_messages_are_memory_failures():
 
 
 def test_oom_during_generation():
-    class EngineDeadError(Exception):
+    import torch
+
+    assert is_oom(EngineDead("core died")) and is_oom(torch.cuda.OutOfMemoryError("CUDA"))
+    assert is_oom(MemoryError("injected")) and is_oom(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert not is_oom(ValueError("sampler produced NaN"))
+
+    class EngineDeadError(Exception):  # a class name is no proof of anything
         pass
 
-    class OutOfMemoryError(RuntimeError):
-        pass
+    assert not is_oom(EngineDeadError())
 
-    assert is_engine_oom(EngineDeadError()) and is_engine_oom(OutOfMemoryError("CUDA"))
-    assert is_engine_oom(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
-    assert not is_engine_oom(ValueError("sampler produced NaN"))
+
+def test_vllms_dead_engine_becomes_engine_dead():
+    """The one place that knows vLLM's exception type; the feeder sees only EngineDead."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    class DeadCore:
+        def step(self):
+            raise EngineDeadError()
+
+    class Refuses:
+        def step(self):
+            raise ValueError("sampler produced NaN")
+
+    engine = object.__new__(VLLMEngine)
+    engine._engine, engine._submitted, engine._first_token = DeadCore(), {}, {}
+    with pytest.raises(EngineDead):
+        engine.step()
+    engine._engine = Refuses()
+    with pytest.raises(ValueError):
+        engine.step()

@@ -29,8 +29,7 @@ def test_only_eligible_rows_are_called():
 
 def test_both_policies_trajectories_plot():
     """Fixed and adaptive trajectories have the same shape for the report and plot."""
-    from pipeline.batching import FixedBatchPolicy
-    from pipeline.controller import BatchSizeController, Observation
+    from pipeline.generation.policy import BatchSizeController, FixedBatchPolicy, Observation
     from pipeline.plots import plot_trajectories
 
     for policy in (FixedBatchPolicy(8), BatchSizeController(initial_budget_tokens=1000)):

@@ -1,4 +1,4 @@
-from pipeline.memory import MemoryProbe
+from pipeline.generation.memory import MemoryProbe
 
 
 def probe(kv=0.0, preemptions=0, device=None, host=0.3, preallocated=True):

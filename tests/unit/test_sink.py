@@ -9,7 +9,6 @@ from pipeline import schema
 from pipeline.output import OutputError, OutputTarget
 from pipeline.report import write_report
 from pipeline.sink import ParquetPartsSink, _block_stats, merge_stats
-from pipeline.stages.generate import ENGINE_CALL_STATS
 
 
 def block(ids, bucket, call, first_stats=None, status="ok"):
@@ -24,7 +23,8 @@ def block(ids, bucket, call, first_stats=None, status="ok"):
         "latency_s": [0.1] * n, "model": ["m"] * n, "run_id": ["r"] * n,
         schema.BUCKET_INDEX: pa.array([0] * n, pa.int32()),
         schema.ENGINE_CALL: pa.array([call] * n, pa.string()),
-        ENGINE_CALL_STATS: [json.dumps([first_stats])] + [None] * (n - 1) if first_stats else pa.array([None] * n, pa.string()),
+        schema.ENGINE_CALL_STATS: ([json.dumps([first_stats])] + [None] * (n - 1) if first_stats
+                                   else pa.array([None] * n, pa.string())),
     })
 
 

@@ -4,8 +4,8 @@ import time
 
 import pytest
 
-from pipeline.engine import Completion
-from pipeline.memory import MemoryProbe
+from pipeline.generation.engine import Completion
+from pipeline.generation.memory import MemoryProbe
 from pipeline.tune.sweep import grid, measure, percentile, sweep_bucket
 
 

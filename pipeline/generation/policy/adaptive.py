@@ -52,6 +52,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+from pipeline.generation.policy.base import Observation
+
 BackoffReason = Literal["oom", "preemption", "overshoot"]
 
 
@@ -74,21 +76,6 @@ class ControllerSettings:
             raise ValueError(f"safety margin must be at least 0.05, got {self.margin}")
         if self.small_start_rows < 1:
             raise ValueError("small_start_rows must be at least 1")
-
-
-@dataclass(frozen=True)
-class Observation:
-    """What one window of generation did."""
-
-    pressure: float  # peak memory pressure 0..1 seen during the window
-    throughput: float  # output tokens/s over the window
-    rows: int  # rows completed in the window
-    preemptions: int = 0
-    oom: bool = False
-    tokens_per_row: float | None = None  # mean cost of the window's rows
-    # The queue ran dry during the window: fewer rows were in flight than the
-    # budget allowed, so its pressure and throughput say nothing about the budget.
-    drained: bool = False
 
 
 @dataclass
@@ -250,6 +237,9 @@ class BatchSizeController:
                             round(obs.throughput, 2), action, reason))
 
     # -- what the run keeps ----------------------------------------------------
+
+    def limit_rows(self, max_rows: int) -> None:
+        self.max_rows = min(self.max_rows or max_rows, max_rows)
 
     def learned_limits(self) -> dict[str, int]:
         """Per-bucket budgets the next run can start from: the ceiling where one

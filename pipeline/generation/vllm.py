@@ -1,4 +1,4 @@
-"""A thin wrapper over vLLM: token ids and sampling in, completions out.
+"""vLLM as one engine of the generation core: token ids and sampling in, completions out.
 
 The engine knows nothing about rows, templates or buckets. It takes prompts
 that are already token ids (the prepare stage tokenized them, so the engine's
@@ -7,8 +7,11 @@ Stepping by hand, rather than calling `LLM.generate`, is what lets it time
 each request to its own completion, reject one bad prompt without failing the
 call, and sample the engine's metrics while it works.
 
-`vllm` is imported inside the constructor so that the CLI and config checks
-start without it.
+It implements `pipeline.generation.engine.Engine`: a dead engine core surfaces
+as `EngineDead`, and sampling arrives as the core's plain `Sampling`. It takes
+its settings as `VLLMSettings`, which the generate stage derives from the
+profile; it reads no config file. `vllm` is imported inside the constructor so
+that the CLI and config checks start without it.
 """
 
 from __future__ import annotations
@@ -22,48 +25,20 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.config import EngineConfig, SamplingConfig
+from pipeline.generation.engine import Completion, EngineDead, Sampling
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Completion:
-    """One prompt's result. `error` is set, and `text` is None, when it failed."""
+@dataclass
+class VLLMSettings:
+    """What one engine is built with: `vllm.LLM`'s keyword arguments, and how to
+    retry a start-up that runs out of memory."""
 
-    text: str | None
-    output_tokens: int
-    latency_s: float
-    finish_reason: str | None = None
-    error: str | None = None
-    first_token_s: float | None = None  # submit to first token, where the engine reports it
-
-
-def engine_kwargs(model: str, engine: EngineConfig, seed: int | None) -> dict[str, Any]:
-    """Keyword arguments for `vllm.LLM`, from the profile's engine section."""
-    kwargs: dict[str, Any] = {
-        "model": model,
-        "dtype": engine.dtype,
-        "gpu_memory_utilization": engine.gpu_memory_utilization,
-        "enforce_eager": engine.enforce_eager,
-        # Stats on: they are how the engine reports KV-cache use and preemptions.
-        "disable_log_stats": False,
-        "seed": seed if seed is not None else 0,
-    }
-    optional = {
-        "max_model_len": engine.max_model_len,
-        "num_gpu_blocks_override": engine.num_gpu_blocks_override,
-        "max_num_seqs": engine.max_num_seqs,
-        "max_num_batched_tokens": engine.max_num_batched_tokens,
-    }
-    kwargs.update({k: v for k, v in optional.items() if v is not None})
-    # JSON without free whitespace: a weak model otherwise pads it with newlines
-    # until max tokens cut it off (seen with the tiny model: 700 tokens of "\n").
-    kwargs["structured_outputs_config"] = {
-        "backend": engine.structured_outputs_backend, "disable_any_whitespace": True,
-    }
-    kwargs.update(engine.extra)
-    return kwargs
+    kwargs: dict[str, Any]
+    startup_backoff: float = 0.8  # each retry asks for this share of the last memory fraction
+    min_gpu_memory_utilization: float = 0.05  # give up below this
+    cpu_kvcache_space_gib: float | None = None
 
 
 # Start-up failures that mean "ask for less memory", from vLLM's GPU and CPU workers.
@@ -145,12 +120,6 @@ class EngineLogTee:
         return b"".join(self._chunks).decode(errors="replace")
 
 
-def is_engine_oom(error: BaseException) -> bool:
-    """An out-of-memory during generation: CUDA's own, or the engine core dying of one."""
-    name = type(error).__name__
-    return name in ("OutOfMemoryError", "EngineDeadError") or "out of memory" in str(error).lower()
-
-
 class VLLMEngine:
     """One vLLM engine, built once and reused for every call.
 
@@ -158,14 +127,13 @@ class VLLMEngine:
     admitting new requests as others finish.
     """
 
-    def __init__(self, model: str, engine: EngineConfig, seed: int | None = 0):
-        if engine.cpu_kvcache_space_gib is not None:
+    def __init__(self, settings: VLLMSettings):
+        if settings.cpu_kvcache_space_gib is not None:
             # Read by the CPU backend when the engine core starts.
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(engine.cpu_kvcache_space_gib)
-        self.config = engine
-        self.model = model
-        self.seed = seed
-        self.kwargs = engine_kwargs(model, engine, seed)
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(settings.cpu_kvcache_space_gib)
+        self.settings = settings
+        self.kwargs = dict(settings.kwargs)
+        self._params: tuple[Sampling, Any] | None = None
         self.startup_attempts: list[dict[str, Any]] = []
         self.rebuilds: list[dict[str, Any]] = []
         self._build()
@@ -186,12 +154,12 @@ class VLLMEngine:
                 util = self.kwargs["gpu_memory_utilization"]
                 cause = _root_cause(tee.stop(wait_s=2.0)) or f"{type(e).__name__}: {e}"
                 self.startup_attempts.append({"gpu_memory_utilization": util, "error": cause[:500]})
-                lower = round(util * self.config.startup_backoff, 4)
-                if not mentions_memory_failure(f"{e}\n{cause}") or lower < self.config.min_gpu_memory_utilization:
+                lower = round(util * self.settings.startup_backoff, 4)
+                if not mentions_memory_failure(f"{e}\n{cause}") or lower < self.settings.min_gpu_memory_utilization:
                     tried = ", ".join(str(a["gpu_memory_utilization"]) for a in self.startup_attempts)
                     raise EngineStartupError(
                         f"vLLM did not start (gpu_memory_utilization tried: {tried}; floor "
-                        f"{self.config.min_gpu_memory_utilization}): {cause}"
+                        f"{self.settings.min_gpu_memory_utilization}): {cause}"
                     ) from e
                 log.warning("engine start-up failed at gpu_memory_utilization=%s; retrying at %s", util, lower)
                 self.kwargs["gpu_memory_utilization"] = lower
@@ -271,8 +239,8 @@ class VLLMEngine:
         self.close()
         before = {"gpu_memory_utilization": self.kwargs["gpu_memory_utilization"], "max_num_seqs": self.max_num_seqs}
         self.kwargs["gpu_memory_utilization"] = max(
-            self.config.min_gpu_memory_utilization,
-            round(self.kwargs["gpu_memory_utilization"] * self.config.startup_backoff ** 0.5, 4),
+            self.settings.min_gpu_memory_utilization,
+            round(self.kwargs["gpu_memory_utilization"] * self.settings.startup_backoff ** 0.5, 4),
         )
         self.kwargs["max_num_seqs"] = max(1, self.max_num_seqs // 2)
         self.startup_attempts = []
@@ -301,23 +269,35 @@ class VLLMEngine:
             if "EngineCore" in " ".join(p.cmdline() or [p.name()]) or "EngineCore" in p.name()
         ]
 
+    def kill_core(self) -> None:
+        """Fault injection: SIGKILL the engine core, so vLLM itself finds it dead."""
+        import signal
+
+        for pid in self.core_pids():
+            os.kill(pid, signal.SIGKILL)
+        time.sleep(0.5)  # let vLLM notice before the next step
+
     # -- driving it --------------------------------------------------------------
 
-    def sampling_params(self, sampling: SamplingConfig, max_tokens: int | None = None,
-                        json_schema: dict[str, Any] | None = None) -> Any:
-        """The job's sampling; with `json_schema`, output constrained to that schema."""
+    def _sampling_params(self, sampling: Sampling) -> Any:
+        """vLLM's SamplingParams for `sampling`, built once per Sampling object (a call
+        submits many requests with the same one)."""
+        if self._params is not None and self._params[0] is sampling:
+            return self._params[1]
         from vllm import SamplingParams
         from vllm.sampling_params import StructuredOutputsParams
 
-        return SamplingParams(
-            max_tokens=max_tokens or sampling.max_new_tokens,
+        params = SamplingParams(
+            max_tokens=sampling.max_new_tokens,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             seed=sampling.seed,
-            structured_outputs=None if json_schema is None else StructuredOutputsParams(
-                json=json_schema, disable_any_whitespace=True
+            structured_outputs=None if sampling.json_schema is None else StructuredOutputsParams(
+                json=sampling.json_schema, disable_any_whitespace=True
             ),
         )
+        self._params = (sampling, params)
+        return params
 
     def kv_gauges(self) -> tuple[float, int]:
         """(KV-cache usage 0..1 at the last step, preemptions so far)."""
@@ -331,18 +311,25 @@ class VLLMEngine:
                 preemptions += int(metric.value)
         return usage, preemptions
 
-    def submit(self, prompt_token_ids: list[int], params: Any) -> str:
+    def submit(self, prompt_token_ids: list[int], sampling: Sampling) -> str:
         """Queue one request; raises if the engine refuses it (too long, say)."""
         request_id = f"req-{self._next_id}"
         self._next_id += 1
-        self._engine.add_request(request_id, {"prompt_token_ids": prompt_token_ids}, params)
+        self._engine.add_request(request_id, {"prompt_token_ids": prompt_token_ids}, self._sampling_params(sampling))
         self._submitted[request_id] = time.monotonic()
         return request_id
 
     def step(self) -> list[tuple[str, Completion]]:
         """One engine step; the requests it finished, with latency left at 0 for the caller."""
         finished = []
-        outputs = self._engine.step()
+        try:
+            outputs = self._engine.step()
+        except Exception as e:
+            from vllm.v1.engine.exceptions import EngineDeadError
+
+            if isinstance(e, EngineDeadError):
+                raise EngineDead(f"{type(e).__name__}: {e}") from e
+            raise
         now = time.monotonic()
         for out in outputs:
             rid = out.request_id

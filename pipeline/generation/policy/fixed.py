@@ -1,38 +1,12 @@
-"""How much work goes into the engine at once: the seam the controller plugs into.
-
-The feeder asks its policy, before admitting rows, how many tokens (`budget`)
-and how many rows (`rows_for`) a bucket may have in flight, and reports each
-window's outcome with `observe`. `BatchSizeController` (controller.py) is the
-adaptive policy; `FixedBatchPolicy` is a fixed row count, the baseline.
-"""
+"""A fixed number of rows in flight per bucket: the baseline, and what `pipeline tune` chose."""
 
 from __future__ import annotations
 
 import math
 import time
-from typing import Any, Protocol
+from typing import Any
 
-from pipeline.controller import Observation
-
-
-class BatchPolicy(Protocol):
-    max_rows: int | None
-
-    def budget(self, bucket: str, tokens_per_row: float) -> float:
-        """Tokens (prompt + max new, per row) `bucket` may have in flight."""
-        ...
-
-    def rows_for(self, bucket: str, tokens_per_row: float) -> int:
-        """Rows `bucket` may have in flight (at least 1)."""
-        ...
-
-    def observe(self, bucket: str, obs: Observation) -> None:
-        """What the last window of `bucket` did."""
-        ...
-
-    def trajectory(self, bucket: str) -> dict[str, Any]: ...
-
-    def learned_limits(self) -> dict[str, int]: ...
+from pipeline.generation.policy.base import Observation
 
 
 class FixedBatchPolicy:
@@ -47,7 +21,6 @@ class FixedBatchPolicy:
             raise ValueError(f"rows_per_call must be at least 1, got {rows_per_call}")
         self.rows_per_call = rows_per_call
         self.per_bucket = dict(per_bucket or {})
-        self.max_rows: int | None = None
         self._t0 = time.monotonic()
         self._seen: dict[str, list[dict[str, Any]]] = {}
 
@@ -60,10 +33,14 @@ class FixedBatchPolicy:
 
     def observe(self, bucket: str, obs: Observation) -> None:
         self._seen.setdefault(bucket, []).append(
-            {"t": round(time.monotonic() - self._t0, 4), "budget": None, "rows": self.per_bucket.get(bucket, self.rows_per_call), "pressure": round(obs.pressure, 4),
+            {"t": round(time.monotonic() - self._t0, 4), "budget": None,
+             "rows": self.per_bucket.get(bucket, self.rows_per_call), "pressure": round(obs.pressure, 4),
              "throughput": round(obs.throughput, 2), "preemptions": obs.preemptions, "oom": obs.oom,
              "action": "fixed", "reason": "drain" if obs.drained else None}
         )
+
+    def limit_rows(self, max_rows: int) -> None:
+        """A fixed size is the user's choice: rows beyond the engine's own limit wait in its queue."""
 
     def trajectory(self, bucket: str) -> dict[str, Any]:
         steps = self._seen.get(bucket, [])

@@ -1,0 +1,103 @@
+"""What the generation core asks of an engine, and the plain data it passes.
+
+An engine takes prompts that are already token ids and a `Sampling`, and is
+stepped by its caller (the feeder): `submit` queues one request, `step` runs
+the engine once and returns the requests it finished, `abort` drops requests.
+It knows nothing about rows, templates, buckets or config files. vLLM is one
+implementation (`pipeline.generation.vllm`); the unit tests use a fake with
+this interface.
+
+Failures an engine must translate into these types, so that callers never
+recognise an error by its class name:
+- `EngineDead`: the engine can no longer run (its core process died); the
+  caller rebuilds it with `rebuild` and retries what was in flight.
+- an out-of-memory: any exception for which `is_oom` is true.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One prompt's result. `error` is set, and `text` is None, when it failed."""
+
+    text: str | None
+    output_tokens: int
+    latency_s: float
+    finish_reason: str | None = None
+    error: str | None = None
+    first_token_s: float | None = None  # submit to first token, where the engine reports it
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How to sample one request: the single source of its token limit."""
+
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    json_schema: dict[str, Any] | None = None  # constrain the output to this JSON Schema
+
+    def with_room(self, max_new_tokens: int, json_schema: dict[str, Any] | None = None) -> Sampling:
+        return Sampling(max_new_tokens, self.temperature, self.top_p, self.seed,
+                        json_schema if json_schema is not None else self.json_schema)
+
+
+class EngineDead(RuntimeError):
+    """The engine cannot run any more (its core process is gone); rebuild it."""
+
+
+def is_oom(error: BaseException) -> bool:
+    """An out-of-memory during generation: CUDA's own, an injected one, or a dead engine
+    (how an OOM in a separate engine process surfaces)."""
+    if isinstance(error, (EngineDead, MemoryError)):
+        return True
+    torch = sys.modules.get("torch")  # loaded wherever a torch engine runs; never imported here
+    if torch is not None and isinstance(error, torch.cuda.OutOfMemoryError):
+        return True
+    return "out of memory" in str(error).lower()
+
+
+class Engine(Protocol):
+    """A steppable engine. `max_num_seqs` is how many requests it runs at once (it queues
+    the rest itself); `max_model_len` is the longest prompt plus output it takes;
+    `kv_cache_tokens` its KV-cache capacity where it has one. The start-up and
+    rebuild records are for the report."""
+
+    max_num_seqs: int
+    max_model_len: int
+    kv_cache_tokens: int | None
+    startup_s: float
+    startup_attempts: list[dict[str, Any]]
+    rebuilds: list[dict[str, Any]]
+
+    def submit(self, prompt_token_ids: list[int], sampling: Sampling) -> str:
+        """Queue one request; raises if the engine refuses it (too long, say)."""
+        ...
+
+    def step(self) -> list[tuple[str, Completion]]:
+        """Run once; the requests finished, latency left for the caller to fill in."""
+        ...
+
+    def abort(self, request_ids: list[str]) -> None: ...
+
+    def kv_gauges(self) -> tuple[float, int]:
+        """(KV-cache usage 0..1 at the last step, preemptions so far)."""
+        ...
+
+    def rebuild(self, reason: str) -> None:
+        """Replace a dead engine with one that asks for less memory."""
+        ...
+
+    def kill_core(self) -> None:
+        """Fault injection: end the engine's core abruptly, as the kernel's OOM killer would."""
+        ...
+
+    def close(self) -> None:
+        """Stop the engine and free its memory now."""
+        ...

@@ -1,0 +1,63 @@
+"""`_report.json` pinned: its keys and the types of their values, from the shared real run.
+
+Readers (scripts, dashboards, `pipeline bench`) index the report by key; a key that
+moves or changes type breaks them silently. Change this test only together with
+the README's description of the report."""
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+NUM = (int, float)
+OPT_STR = (str, type(None))
+
+TOP = {
+    "run_id": str, "job": str, "job_file": str, "profile_file": str, "model": str, "input": str, "output": str,
+    "started_at": str, "wall_s": NUM, "rows_in": int, "rows_out": int, "status": dict, "buckets": dict,
+    "tokens": dict, "output_tokens_per_s": NUM, "engine_s": NUM, "engine_output_tokens_per_s": NUM,
+    "busy_fraction": NUM, "fill": NUM, "batching": dict, "engine": dict, "engine_calls": list, "files": list,
+    "versions": dict, "date": OPT_STR, "input_files": dict, "length": dict, "plot_path": OPT_STR,
+    "report_path": str, "publish": dict, "warnings": list,
+}
+BATCHING = {"policy": str, "feed": str, "memory_target": (float, type(None)), "rows_per_call": (int, type(None)),
+            "tuned_rows": (dict, type(None)), "backoffs": int, "per_bucket": dict, "learned_limits": dict}
+PER_BUCKET = {"calls": int, "trajectory": list, "backoffs": list, "peak_pressure": NUM, "preemptions": int,
+              "busy_fraction": (float, type(None)), "fill": (float, type(None))}
+CALL = {"call": str, "kind": str, "bucket": str, "buckets": list, "rows": int, "rows_written": int,
+        "min_prompt_tokens": int, "max_prompt_tokens": int, "wall_s": NUM, "busy_s": NUM, "step_s": NUM,
+        "fill": (float, type(None)), "output_tokens": int, "steps": int, "peak_pressure": NUM,
+        "peak_kv_cache_usage": NUM, "preemptions": int, "rejected": int, "actor": str}
+ACTOR = {"actor": str, "busy_s": NUM, "step_s": NUM, "active_s": NUM, "busy_fraction": (float, type(None)),
+         "windows": int, "oom_retries": int, "bisections": int, "rebuilds": list, "learned": dict}
+ENGINE = {"actor": str, "startup_s": NUM, "startup_attempts": list, "kv_cache_tokens": (int, type(None)),
+          "max_model_len": int, "max_num_seqs": int}
+STEP = {"t", "budget", "rows", "pressure", "throughput", "action", "reason", "actor"}
+
+
+def check(record: dict, expected: dict, where: str) -> None:
+    assert set(record) == set(expected), f"{where}: keys differ: {set(record) ^ set(expected)}"
+    for key, kind in expected.items():
+        assert isinstance(record[key], kind), f"{where}.{key} is {type(record[key]).__name__}"
+
+
+def test_report_keys_and_types_are_pinned(job_run):
+    r = job_run.report
+    check(r, TOP, "report")
+    check(r["batching"], BATCHING, "batching")
+    for name, b in r["batching"]["per_bucket"].items():
+        check(b, PER_BUCKET, f"batching.per_bucket.{name}")
+        for step in b["trajectory"]:
+            assert STEP <= set(step), f"a trajectory step lacks {STEP - set(step)}"
+    assert set(r["engine"]) == {"settings", "engines", "actors", "calls"}
+    for c in r["engine_calls"]:
+        check(c, CALL, f"engine_calls[{c['call']}]")
+    for a in r["engine"]["actors"]:
+        check(a, ACTOR, "engine.actors[]")
+    for e in r["engine"]["engines"]:
+        check(e, ENGINE, "engine.engines[]")
+    assert set(r["tokens"]) == {"prompt", "output"} and set(r["publish"]) == {"replaces_run", "replaces_files", "backup"}
+    assert set(r["input_files"]) == {"format", "read", "skipped"}
+    assert set(r["length"]) == {"policy", "max_input_tokens", "keep", "outlier_percentile", "chunk_overlap",
+                                "percentile_cap_tokens", "truncated", "chunked"}
+    for b in r["buckets"].values():
+        assert set(b) == {"rows", "prompt_tokens"} and set(b["prompt_tokens"]) == {"min", "median", "max"}

@@ -1,0 +1,92 @@
+"""A fake engine with the real `Engine` interface, for unit tests only.
+
+Real vLLM runs the same code in tests/integration. The fake makes the edge cases
+deterministic: when completions happen, what text comes back, when an
+out-of-memory strikes, when the engine dies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pipeline.generation.engine import Completion, EngineDead, Sampling
+
+
+def default_reply(ids: list[int], sampling: Sampling) -> str:
+    return "x"
+
+
+class FakeEngine:
+    """Each request finishes `steps_per_request` steps after it is submitted, with the text
+    `reply(ids, sampling)` and 4 output tokens (or `max_new_tokens`, if fewer).
+    `oom_when_in_flight` raises torch-style OOM when that many rows run at once."""
+
+    max_num_seqs = 256
+    max_model_len = 4096
+
+    def __init__(self, steps_per_request=3, oom_when_in_flight=None, capacity_tokens=10_000, vary=False,
+                 reply: Callable[[list[int], Sampling], str] = default_reply):
+        self.steps_per_request = steps_per_request
+        self.vary = vary  # rows of uneven length: 3, 4, 5, 6 steps
+        self.oom_when_in_flight = oom_when_in_flight
+        self.capacity = capacity_tokens
+        self.reply = reply
+        self.live: dict[str, list] = {}
+        self.max_seen = 0
+        self.aborted: list[str] = []
+        self.submitted: list[tuple[list[int], Sampling]] = []
+        self.n = 0
+        self.dead = False
+        self.kv_cache_tokens = capacity_tokens
+        self.startup_s = 0.0
+        self.startup_attempts: list[dict] = []
+        self.rebuilds: list[dict] = []
+        self.closed = False
+
+    def submit(self, ids, sampling):
+        if len(ids) > 1000:
+            raise ValueError("prompt too long")
+        self.n += 1
+        self.submitted.append((ids, sampling))
+        rid = f"r{self.n}"
+        steps = self.steps_per_request + (self.n % 4 if self.vary else 0)
+        self.live[rid] = [steps, len(ids) + sampling.max_new_tokens, ids, sampling]
+        return rid
+
+    def step(self):
+        if self.dead:
+            raise EngineDead("EngineDeadError: the engine core died")
+        self.max_seen = max(self.max_seen, len(self.live))
+        if self.oom_when_in_flight is not None and len(self.live) >= self.oom_when_in_flight:
+            raise MemoryError("CUDA out of memory")
+        done = []
+        for rid in list(self.live):
+            self.live[rid][0] -= 1
+            if self.live[rid][0] == 0:
+                _, _, ids, sampling = self.live.pop(rid)
+                done.append((rid, Completion(self.reply(ids, sampling), min(4, sampling.max_new_tokens), 0.0,
+                                             "length")))
+        return done
+
+    def abort(self, ids):
+        self.aborted += ids
+        for rid in ids:
+            self.live.pop(rid, None)
+
+    def kv_gauges(self):
+        used = sum(v[1] for v in self.live.values())
+        return min(1.0, used / self.capacity), 0
+
+    def kill_core(self):
+        self.dead = True
+
+    def rebuild(self, reason):
+        before = self.max_num_seqs
+        self.max_num_seqs = max(1, before // 2)
+        self.live.clear()
+        self.dead = False
+        self.rebuilds.append({"reason": reason, "before": {"max_num_seqs": before},
+                              "after": {"max_num_seqs": self.max_num_seqs}})
+
+    def close(self):
+        self.closed = True

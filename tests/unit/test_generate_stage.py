@@ -1,0 +1,107 @@
+"""The generate stage end to end on Arrow batches, with the tiny model's real tokenizer
+(prepare) and the fake engine in place of vLLM: annotations with their retry, map-reduce
+over long documents, and a dead engine, each checked column by column. The same paths
+run on real vLLM in tests/integration (test_kb_ingest, test_outliers, test_adaptive)."""
+
+import json
+
+import pyarrow as pa
+import pytest
+
+from pipeline import schema
+from pipeline.config import load_run_config
+from pipeline.stages.generate import GenerateStage
+from pipeline.stages.prepare import PrepareStage
+from tests.conftest import REPO
+from tests.unit.fake_engine import FakeEngine
+
+CORPUS = pa.table({
+    "id": ["a", "b", "c"],
+    "text": ["Short note about Paris.", "Another note, on Berlin.", "A third, on Rome."],
+    "source": ["email", "memo", "email"],
+})
+
+
+def stages(tiny_model, job, sets, engine, max_model_len=2048):
+    config = load_run_config(REPO / job, REPO / "conf/local.yaml", ["batching.learned_limits=null", *sets])
+    prepare = PrepareStage(config, str(tiny_model), max_model_len=max_model_len)
+    engine.max_model_len = max_model_len
+    return prepare, GenerateStage(config, str(tiny_model), "run1", engine=engine)
+
+
+def kb_reply(ids, sampling):
+    """Summaries as text; annotations as JSON, cut off (as max tokens would) the first time."""
+    if sampling.json_schema is None:
+        return "a summary"
+    if sampling.max_new_tokens < 1024:
+        return '{"title": "Par'
+    return json.dumps({"title": "Paris", "keywords": ["city"], "entities": [{"name": "Paris", "type": "place"}],
+                       "topics": ["travel"], "language": "en"})
+
+
+def test_annotations_are_typed_columns_after_one_retry(tiny_model):
+    engine = FakeEngine(reply=kb_reply)
+    prepare, generate = stages(tiny_model, "jobs/kb_ingest.yaml", ["annotations.retry_max_new_tokens=1024"], engine)
+    out = generate(prepare(CORPUS))
+    rows = out.to_pylist()
+    assert {r["status"] for r in rows} == {"ok"} and all(r["summary"] == "a summary" for r in rows)
+    assert all(r["title"] == "Paris" and r["entities"] == [{"name": "Paris", "type": "place"}] for r in rows)
+    assert out.schema.field("keywords").type == pa.list_(pa.string())
+    # Summary, annotation and retry tokens all count: 4 each.
+    assert all(r["output_tokens"] == 12 and r["raw_output"] is None for r in rows)
+    records = json.loads(out.column(schema.ENGINE_CALL_STATS)[0].as_py())
+    assert [r["kind"] for r in records] == ["rows", "annotations", "annotations-retry"]
+    assert records[0]["engine"]["max_model_len"] == 2048
+
+
+def test_annotations_that_never_validate_keep_their_text(tiny_model):
+    engine = FakeEngine(reply=lambda ids, s: "a summary" if s.json_schema is None else '{"title": 3}')
+    prepare, generate = stages(tiny_model, "jobs/kb_ingest.yaml", [], engine)
+    rows = generate(prepare(CORPUS)).to_pylist()
+    assert {r["status"] for r in rows} == {"invalid_output"}
+    assert all(r["raw_output"] == '{"title": 3}' and "schema" in r["error"] for r in rows)
+    assert all(r["title"] is None and r["summary"] == "a summary" for r in rows)
+
+
+def test_long_documents_are_summarized_map_reduce(tiny_model):
+    engine = FakeEngine(reply=lambda ids, s: "short summary of a window")
+    long = pa.table({"id": ["long", "short"], "text": [" ".join(f"word{i}" for i in range(1500)), "tiny"],
+                     "source": ["report", "note"]})
+    prepare, generate = stages(tiny_model, "jobs/nightly_summarize.yaml",
+                               ["length.policy=chunk", "length.chunk_overlap=16", "sampling.max_new_tokens=16"],
+                               engine, max_model_len=512)
+    prepared = prepare(long)
+    assert prepared.column("chunks").to_pylist()[0] >= 2
+    rows = {r["id"]: r for r in generate(prepared).to_pylist()}
+    assert rows["long"]["status"] == "ok" and rows["long"]["summary"] == "short summary of a window"
+    assert rows["short"]["status"] == "ok" and rows["short"]["chunks"] is None
+    records = json.loads(generate(prepared).column(schema.ENGINE_CALL_STATS)[0].as_py())
+    levels = records[1:]
+    assert records[0]["kind"] == "rows" and len(levels) >= 2
+    assert [r["kind"] for r in levels] == [f"chunk-level-{k}" for k in range(1, len(levels) + 1)]
+    # Every window once, then fewer prompts at each level, down to the one last summary.
+    assert levels[0]["rows"] == prepared.column("chunks").to_pylist()[0]
+    assert all(a["rows"] > b["rows"] for a, b in zip(levels, levels[1:])) and levels[-1]["rows"] == 1
+
+
+def test_a_dead_engine_is_rebuilt_and_no_row_is_lost(tiny_model):
+    engine = FakeEngine(reply=lambda ids, s: "ok")
+    corpus = pa.table({"id": [f"r{i}" for i in range(60)], "text": [f"note {i}" for i in range(60)],
+                       "source": ["email"] * 60})
+    prepare, generate = stages(tiny_model, "jobs/nightly_summarize.yaml",
+                               ["debug.inject_oom_at_batch=2", "debug.inject_oom_kind=engine_death",
+                                "batching.initial_budget_tokens=400"], engine)
+    out = generate(prepare(corpus))
+    assert out.column("status").to_pylist() == ["ok"] * 60
+    totals = json.loads(out.column(schema.ENGINE_CALL_STATS)[0].as_py())[-1]["actor"]
+    assert totals["oom_retries"] == 1 and len(totals["rebuilds"]) == 1
+
+
+@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
+def test_both_policies_serve_every_row_once(tiny_model, policy):
+    engine = FakeEngine(reply=lambda ids, s: "ok", vary=True)
+    sets = ["batching.policy=fixed", "batching.rows_per_call=2"] if policy == "fixed" else []
+    prepare, generate = stages(tiny_model, "jobs/nightly_summarize.yaml", sets, engine)
+    out = generate(prepare(CORPUS))
+    assert out.column("id").to_pylist() == ["a", "b", "c"] and out.column("status").to_pylist() == ["ok"] * 3
+    assert schema.PROMPT_TOKEN_IDS not in out.column_names

@@ -1,0 +1,126 @@
+"""The generation tasks (`pipeline.generation.tasks`) and the feeder's engine rebuild,
+on the fake engine: what was reachable only through real-engine CLI runs before."""
+
+import json
+
+import pytest
+
+from pipeline.generation.engine import Sampling
+from pipeline.generation.feeder import EngineFeeder, FaultInjector
+from pipeline.generation.policy import BatchSizeController, FixedBatchPolicy
+from pipeline.generation.tasks import EngineCalls, annotate, map_reduce, summarize
+from tests.unit.fake_engine import FakeEngine
+
+
+def calls_over(engine, policy=None, faults=None):
+    feeder = EngineFeeder(engine, policy or FixedBatchPolicy(8), faults=faults)
+    return EngineCalls(feeder, "a1", lambda: {"actor": "a1"}, lambda: {"engine": "fake"})
+
+
+def test_calls_are_numbered_and_the_first_carries_the_engine():
+    calls = calls_over(FakeEngine())
+    records = []
+    ids = [[1] * 10, [2] * 20, [3] * 30]
+    out = summarize(calls, [("le128", [0, 2]), ("le256", [1])], ids, Sampling(4), records)
+    assert {i: call for i, (call, _) in out.items()} == {0: "a1-00000", 2: "a1-00000", 1: "a1-00001"}
+    assert [r["call"] for r in records] == ["a1-00000", "a1-00001"]
+    assert records[0]["engine"] == {"engine": "fake"} and "engine" not in records[1]
+    assert [r["rows"] for r in records] == [2, 1] and all(r["kind"] == "rows" for r in records)
+
+
+SCHEMA = {"type": "object", "properties": {"title": {"type": "string"}}, "required": ["title"]}
+
+
+def parse(text):
+    try:
+        value = json.loads(text)
+    except (TypeError, json.JSONDecodeError):
+        return None, "output is not valid JSON"
+    return (value, None) if "title" in value else (None, "no title")
+
+
+def json_reply(ids, sampling):
+    """Whole JSON with room to write it; cut off (as max tokens would) without; row 9 never valid."""
+    if ids[0] == 9:
+        return '{"other": 1}'
+    return '{"title": "t%d"}' % ids[0] if sampling.max_new_tokens >= 64 else '{"title": "t'
+
+
+def test_annotations_that_do_not_validate_are_retried_once_with_more_room():
+    engine = FakeEngine(reply=json_reply)
+    records = []
+    ids = [[1] * 5, [2] * 5, [9] * 5]
+    sampling = Sampling(32, json_schema=SCHEMA)
+    out = annotate(calls_over(engine), "le128", [0, 1, 2], ids, sampling, parse, 128, 4096, records)
+    assert [r["kind"] for r in records] == ["annotations", "annotations-retry"]
+    assert records[1]["rows"] == 3  # all three were cut off the first time
+    assert out[0].value == {"title": "t1"} and out[1].value == {"title": "t2"}
+    assert out[2].value is None and out[2].invalid == "no title"
+    # Tokens and time of both tries count; the retry had the room, and kept the schema.
+    assert out[0].completion.output_tokens == 8
+    retried = [s for _, s in engine.submitted[3:]]
+    assert {s.max_new_tokens for s in retried} == {128} and all(s.json_schema == SCHEMA for s in retried)
+
+
+def test_no_retry_without_more_room_and_no_call_for_nothing():
+    engine = FakeEngine(reply=json_reply)
+    records = []
+    out = annotate(calls_over(engine), "le128", [0], [[1] * 4000], Sampling(64, json_schema=SCHEMA),
+                   parse, None, 4096, records)
+    # 4,096 - 4,000 tokens of context left: no more room than the first try had.
+    assert [r["kind"] for r in records] == ["annotations"] and out[0].value is None
+    assert annotate(calls_over(engine), "le128", [], [], Sampling(64), parse, None, 4096, records) == {}
+
+
+def test_an_engine_error_in_annotations_is_the_rows_error():
+    out = annotate(calls_over(FakeEngine(reply=json_reply)), "le128", [0], [[1] * 2000], Sampling(8),
+                   parse, None, 4096, [])
+    assert out[0].value is None and "prompt too long" in out[0].completion.error
+
+
+def pieces_reply(ids, sampling):
+    return "s" * 10  # every summary is 10 characters
+
+
+def test_map_reduce_summarizes_pieces_then_their_summaries_level_by_level():
+    engine = FakeEngine(reply=pieces_reply)
+    records = []
+    # Row 0: three windows, whose joined summaries (3 x 10 + 2 x 2 = 34 chars) fit one prompt of 40.
+    # Row 1: one window: done at the first level.
+    pieces = {0: ["a" * 30, "b" * 30, "c" * 30], 1: ["d" * 30]}
+    split = lambda i, text: [text] if len(text) <= 40 else [text[:40], text[40:]]  # noqa: E731
+    out = map_reduce(calls_over(engine), pieces, lambda i, t: [1] * len(t), split,
+                     lambda tokens: "le128", Sampling(4), records)
+    assert [r["kind"] for r in records] == ["chunk-level-1", "chunk-level-2"]
+    assert [r["rows"] for r in records] == [4, 1]
+    assert out[0].text == out[1].text == "s" * 10 and out[0].error is None
+
+
+def test_map_reduce_stops_after_its_levels_and_a_failed_piece_fails_its_row():
+    engine = FakeEngine(reply=pieces_reply)
+    always_two = lambda i, text: [text, text]  # noqa: E731  never converges
+    encode = lambda i, t: [1] * (2000 if t == "bad" else 5)  # noqa: E731  the fake refuses > 1000 tokens
+    out = map_reduce(calls_over(engine), {0: ["x", "y"], 1: ["bad", "z"]}, encode, always_two,
+                     lambda tokens: "le128", Sampling(4), [], max_levels=2)
+    assert out[0].error == "chunk summaries did not converge in 2 levels"
+    assert "prompt too long" in out[1].error
+
+
+def test_a_dead_engine_is_rebuilt_smaller_and_every_row_still_finishes():
+    engine = FakeEngine()
+    policy = BatchSizeController(initial_budget_tokens=240)  # 10 rows of 24 tokens: several windows
+    calls = calls_over(engine, policy, FaultInjector(at=2, kind="engine_death"))
+    out = summarize(calls, [("le128", list(range(40)))], [[1] * 20] * 40, Sampling(4), [])
+    assert sorted(out) == list(range(40)) and all(c.error is None for _, c in out.values())
+    assert len(engine.rebuilds) == 1 and engine.rebuilds[0]["after"] == {"max_num_seqs": 128}
+    assert policy.max_rows == 128  # the policy learned the rebuilt engine's limit
+    assert calls.feeder.totals.oom_retries == 1
+
+
+@pytest.mark.parametrize("kind", ["oom", "engine_death"])
+def test_the_fault_injector_fires_once(kind):
+    engine = FakeEngine()
+    calls = calls_over(engine, FixedBatchPolicy(4), FaultInjector(at=1, kind=kind))
+    out = summarize(calls, [("le128", list(range(12)))], [[1] * 20] * 12, Sampling(4), [])
+    assert all(c.error is None for _, c in out.values())
+    assert calls.feeder.totals.oom_retries == 1 and len(engine.rebuilds) == (kind == "engine_death")
