@@ -24,10 +24,10 @@ from pipeline.machine import describe
 
 REPO = Path(__file__).resolve().parents[1]
 SYSTEMS = {
-    "adaptive": ["batching.policy=adaptive"],
-    "fixed-8": ["batching.policy=fixed", "batching.rows_per_call=8", "batching.feed=drain"],
-    "fixed-32": ["batching.policy=fixed", "batching.rows_per_call=32", "batching.feed=drain"],
-    "fixed-128": ["batching.policy=fixed", "batching.rows_per_call=128", "batching.feed=drain"],
+    "adaptive": [],  # each profile's own adaptive policy
+    "fixed-8": ["batching.policy={kind: fixed, rows_per_call: 8}", "batching.feed=drain"],
+    "fixed-32": ["batching.policy={kind: fixed, rows_per_call: 32}", "batching.feed=drain"],
+    "fixed-128": ["batching.policy={kind: fixed, rows_per_call: 128}", "batching.feed=drain"],
 }
 
 

@@ -108,7 +108,7 @@ def raw_vllm(corpus: str, output: str, sets: list[str], result: str) -> None:
 
     from pipeline import schema
     from pipeline.config import load_run_config
-    from pipeline.stages.generate import engine_kwargs
+    from pipeline.plan import engine_kwargs, prepare_settings
     from pipeline.runner import resolve_model
     from pipeline.stages.prepare import PrepareStage, context_limit
 
@@ -117,7 +117,8 @@ def raw_vllm(corpus: str, output: str, sets: list[str], result: str) -> None:
     profile, sampling = config.profile, config.job.sampling
     model = resolve_model(config)
     table = pq.read_table(corpus)
-    prepared = PrepareStage(config, model, context_limit(model, profile.engine.max_model_len))(table)
+    settings = prepare_settings(config, model, context_limit(model, profile.engine.max_model_len))
+    prepared = PrepareStage(settings)(table)
     ok = [i for i, s in enumerate(prepared.column("status").to_pylist()) if s == "ok"]
     ids = prepared.column(schema.PROMPT_TOKEN_IDS).to_pylist()
 
@@ -150,7 +151,7 @@ def raw_vllm(corpus: str, output: str, sets: list[str], result: str) -> None:
 def pipeline_systems(fixed: list[int]) -> dict[str, list[str]]:
     systems = {"pipeline": [], "no-bucket": ["batching.bucket_grouping=off"]}
     for n in fixed:
-        systems[f"fixed-{n}"] = ["batching.policy=fixed", f"batching.rows_per_call={n}"]
+        systems[f"fixed-{n}"] = [f"batching.policy={{kind: fixed, rows_per_call: {n}}}"]
     return systems
 
 

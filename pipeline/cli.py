@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from pipeline.config import ConfigError, load_run_config
+from pipeline.config import ConfigDeprecationWarning, ConfigError, RunConfig, load_run_config
 from pipeline.inputs import InputError
 
 console = Console(stderr=True)
@@ -27,6 +28,19 @@ def _fail(code: int, message: str) -> None:
     # Plain echo, not rich: the reason must be the last line, unwrapped, for logs and scripts.
     click.echo(f"error: {message}", err=True)
     sys.exit(code)
+
+
+def load_config(*args: Any, **kwargs: Any) -> RunConfig:
+    """load_run_config, with its deprecation warnings as one plain line each."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always", ConfigDeprecationWarning)
+        config = load_run_config(*args, **kwargs)
+    for w in seen:
+        if issubclass(w.category, ConfigDeprecationWarning):
+            click.echo(f"warning: {w.message}", err=True)
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return config
 
 
 def summary_table(report: dict[str, Any]) -> Table:
@@ -138,7 +152,7 @@ def run(job: Path, profile: Path, input_path: str | None, output_path: str | Non
     if backup_existing:
         overrides = (*overrides, "output.backup_existing=true")
     try:
-        config = load_run_config(job, profile, overrides, input_path, output_path, date=date)
+        config = load_config(job, profile, overrides, input_path, output_path, date=date)
         report = run_job(config)
     except (ConfigError, InputError, OutputError, OutputBusy) as e:
         _fail(EXIT_BAD_CONFIG, str(e))
@@ -198,7 +212,7 @@ def tune(job: Path, profile: Path, input_path: str | None, sample: int, buckets:
         out.print(f"  {bucket} batch {p.batch:>4}: {what}")
 
     try:
-        config = load_run_config(job, profile, overrides, input_path, None, date=date)
+        config = load_config(job, profile, overrides, input_path, None, date=date)
         results, info = tune_job(config, out_dir, sample, buckets, max_batch, slo, on_point=on_point,
                                  on_stage=lambda msg: out.print(f"[dim]{msg}[/dim]"))
     except (ConfigError, InputError) as e:

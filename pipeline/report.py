@@ -151,11 +151,8 @@ def build_report(
         ),
         "fill": _weighted([(c.get("fill"), c.get("busy_s", 0.0)) for c in calls]),
         "batching": {
-            "policy": batching.policy,
+            **batching.describe_policy(),
             "feed": batching.feed,
-            "memory_target": batching.memory_target if batching.policy == "adaptive" else None,
-            "rows_per_call": batching.rows_per_call if batching.policy in ("fixed", "tuned") else None,
-            "tuned_rows": batching.tuned_rows if batching.policy == "tuned" else None,
             "backoffs": sum(len(c.get("backoffs", [])) for c in calls),
             "per_bucket": bucket_batching(calls, bucket_order),
         },

@@ -27,12 +27,13 @@ import pyarrow.compute as pc
 
 from pipeline import learned, schema
 from pipeline.bucketing import LengthBucketer
-from pipeline.config import RunConfig
+from pipeline.config import AdaptivePolicy, RunConfig
 from pipeline.inputs import InputError, check_inputs, duplicate_ids
 from pipeline.output import OutputTarget, PublishError
 from pipeline.plots import plot_trajectories
 from pipeline.report import REPORT_NAME, build_report, write_beside, write_report
-from pipeline.stages.prepare import context_limit
+from pipeline.plan import engine_kwargs, generate_settings, prepare_settings
+from pipeline.stages.prepare import PrepareSettings, context_limit
 
 log = logging.getLogger(__name__)
 
@@ -80,13 +81,13 @@ def init_ray(config: RunConfig) -> None:
         ray.init(num_cpus=hw.ray_num_cpus, include_dashboard=False, runtime_env={"env_vars": env})
 
 
-def prepared(config: RunConfig, inputs: Any, prepare: dict[str, Any]) -> Any:
+def prepared(config: RunConfig, inputs: Any, settings: PrepareSettings) -> Any:
     """The input read and run through the prepare stage (lazy: nothing runs yet)."""
     from pipeline.stages.prepare import PrepareStage
 
     return inputs.read().map_batches(
         PrepareStage,
-        fn_constructor_kwargs=prepare,
+        fn_constructor_kwargs={"settings": settings},
         batch_size=config.profile.batching.prepare_batch_rows,
         batch_format="pyarrow",
         concurrency=config.profile.hardware.prepare_actors,
@@ -94,7 +95,7 @@ def prepared(config: RunConfig, inputs: Any, prepare: dict[str, Any]) -> Any:
     )
 
 
-def corpus_percentile_cap(config: RunConfig, inputs: Any, prepare: dict[str, Any]) -> int:
+def corpus_percentile_cap(config: RunConfig, inputs: Any, prepare: PrepareSettings) -> int:
     """The prompt-token cap at `length.outlier_percentile` of the corpus's prompt
     lengths, from a tokenizing pass over it, so one giant document does not
     set a bucket's shape."""
@@ -170,19 +171,18 @@ def _generate(config: RunConfig, run_id: str, inputs: Any, out_schema: pa.Schema
     # 3. The dataset: nothing runs until the write pulls it.
     init_ray(config)
     hw, batching = profile.hardware, profile.batching
-    prepare = {"config": config, "model_path": model_path, "max_model_len": max_model_len}
     percentile_cap = None
     if job.length.outlier_percentile is not None:
-        percentile_cap = corpus_percentile_cap(config, inputs, prepare)
-        prepare["cap_tokens"] = percentile_cap
-    ds = prepared(config, inputs, prepare)
+        percentile_cap = corpus_percentile_cap(config, inputs, prepare_settings(config, model_path, max_model_len))
+    ds = prepared(config, inputs, prepare_settings(config, model_path, max_model_len, percentile_cap))
     if batching.bucket_grouping == "global":
         # One range partition per bucket: the engine sees each bucket's rows together.
         ds = ds.sort(schema.BUCKET_INDEX, boundaries=list(range(1, len(bucketer.names))))
     ds = ds.map_batches(
         GenerateStage,
         fn_constructor_kwargs={
-            "config": config, "model_path": model_path, "run_id": run_id, "learned": start_limits,
+            "settings": generate_settings(config, model_path, max_model_len, run_id, percentile_cap),
+            "learned": start_limits,
         },
         batch_size=batching.generate_batch_rows,
         batch_format="pyarrow",
@@ -212,8 +212,6 @@ def finish(config: RunConfig, sink: Any, target: OutputTarget, run_id: str, inpu
            started_at: str, model_path: str, max_model_len: int, bucketer: LengthBucketer, limits_key: dict[str, Any],
            start_limits: Any, percentile_cap: int | None) -> dict[str, Any]:
     """Build the report from what was written, and put it (and the plot) beside the parts."""
-    from pipeline.stages.generate import engine_kwargs
-
     job, profile = config.job, config.profile
     if sink.summary is None:
         raise RuntimeError("the write finished without reporting what it wrote")
@@ -247,7 +245,7 @@ def finish(config: RunConfig, sink: Any, target: OutputTarget, run_id: str, inpu
     report["batching"]["learned_limits"] = {"path": profile.batching.learned_limits, "key": limits_key,
                                             "started_from": start_limits}
     warnings = list(target.warnings)  # a lock taken over, staging left by a killed run
-    if profile.batching.learned_limits and profile.batching.policy == "adaptive":
+    if profile.batching.learned_limits and isinstance(profile.batching.policy, AdaptivePolicy):
         limits = learned.merge_limits([a["learned"] for a in report["engine"]["actors"]])
         if limits:
             def save() -> dict[str, int]:

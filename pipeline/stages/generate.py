@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from dataclasses import dataclass, replace
 from itertools import groupby
 from typing import Any
 
@@ -35,7 +36,8 @@ import pyarrow as pa
 from pipeline import schema
 from pipeline.annotations import AnnotationParser
 from pipeline.bucketing import LengthBucketer
-from pipeline.config import EngineConfig, RunConfig, SamplingConfig
+from pipeline.config import AdaptivePolicy, FixedPolicy, TunedPolicy
+from pipeline.config.models import BatchPolicyConfig
 from pipeline.generation.engine import Completion, Engine, Sampling
 from pipeline.generation.feeder import EngineFeeder, FaultInjector
 from pipeline.generation.policy import BatchPolicy, BatchSizeController, ControllerSettings, FixedBatchPolicy
@@ -43,47 +45,7 @@ from pipeline.generation.tasks import EngineCalls, annotate, map_reduce, summari
 from pipeline.generation.vllm import VLLMEngine, VLLMSettings
 from pipeline.length import char_span, windows
 from pipeline.schema import Status
-from pipeline.stages.prepare import PrepareStage
-
-
-def engine_kwargs(model: str, engine: EngineConfig, seed: int | None) -> dict[str, Any]:
-    """Keyword arguments for `vllm.LLM`, from the profile's engine section."""
-    kwargs: dict[str, Any] = {
-        "model": model,
-        "dtype": engine.dtype,
-        "gpu_memory_utilization": engine.gpu_memory_utilization,
-        "enforce_eager": engine.enforce_eager,
-        # Stats on: they are how the engine reports KV-cache use and preemptions.
-        "disable_log_stats": False,
-        "seed": seed if seed is not None else 0,
-    }
-    optional = {
-        "max_model_len": engine.max_model_len,
-        "num_gpu_blocks_override": engine.num_gpu_blocks_override,
-        "max_num_seqs": engine.max_num_seqs,
-        "max_num_batched_tokens": engine.max_num_batched_tokens,
-    }
-    kwargs.update({k: v for k, v in optional.items() if v is not None})
-    # JSON without free whitespace: a weak model otherwise pads it with newlines
-    # until max tokens cut it off (seen with the tiny model: 700 tokens of "\n").
-    kwargs["structured_outputs_config"] = {
-        "backend": engine.structured_outputs_backend, "disable_any_whitespace": True,
-    }
-    kwargs.update(engine.extra)
-    return kwargs
-
-
-def vllm_settings(model: str, engine: EngineConfig, seed: int | None) -> VLLMSettings:
-    return VLLMSettings(engine_kwargs(model, engine, seed), startup_backoff=engine.startup_backoff,
-                        min_gpu_memory_utilization=engine.min_gpu_memory_utilization,
-                        cpu_kvcache_space_gib=engine.cpu_kvcache_space_gib)
-
-
-def sampling_of(sampling: SamplingConfig, max_new_tokens: int | None = None,
-                json_schema: dict[str, Any] | None = None) -> Sampling:
-    """The job's sampling as the generation core takes it."""
-    return Sampling(max_new_tokens or sampling.max_new_tokens, sampling.temperature, sampling.top_p,
-                    sampling.seed, json_schema)
+from pipeline.stages.prepare import PrepareSettings, PrepareStage
 
 
 def bucket_runs(rows: list[int], buckets: list[int], grouping: str,
@@ -101,40 +63,70 @@ def bucket_runs(rows: list[int], buckets: list[int], grouping: str,
     return [(names[k], list(g)) for k, g in groupby(ordered, key=lambda i: buckets[i])]
 
 
-def make_policy(config: RunConfig, engine: Engine, learned: dict[str, int] | None) -> BatchPolicy:
-    b = config.profile.batching
-    if b.policy in ("fixed", "tuned"):
-        return FixedBatchPolicy(b.rows_per_call, b.tuned_rows if b.policy == "tuned" else None)
-    return BatchSizeController(
-        ControllerSettings(target=b.memory_target, max_rows=engine.max_num_seqs),
-        kv_capacity_tokens=engine.kv_cache_tokens,
-        learned=learned,
-        initial_budget_tokens=b.initial_budget_tokens,
-    )
+@dataclass(frozen=True)
+class AnnotationSettings:
+    json_schema: dict[str, Any]
+    max_new_tokens: int
+    retry_max_new_tokens: int | None = None
+    column_prefix: str = ""
+
+
+@dataclass(frozen=True)
+class GenerateSettings:
+    """What the generate stage needs, and nothing more (the runner derives it from the config)."""
+
+    run_id: str
+    model_name: str  # as the job names it, for the `model` column
+    engine: VLLMSettings
+    sampling: Sampling
+    prepare: PrepareSettings  # map-reduce renders and tokenizes its prompts with it
+    policy: BatchPolicyConfig = AdaptivePolicy()
+    memory_target: float = 0.90
+    feed: str = "continuous"
+    grouping: str = "global"
+    annotations: AnnotationSettings | None = None
+    chunk_overlap: int = 64
+    inject_oom_at_batch: int | None = None
+    inject_oom_kind: str = "oom"
+
+
+def make_policy(settings: GenerateSettings, engine: Engine, learned: dict[str, int] | None) -> BatchPolicy:
+    """The batch policy the settings name, built for this engine."""
+    match settings.policy:
+        case FixedPolicy(rows_per_call=rows):
+            return FixedBatchPolicy(rows)
+        case TunedPolicy(rows=per_bucket, rows_per_call=rows):
+            return FixedBatchPolicy(rows, per_bucket)
+        case AdaptivePolicy(initial_budget_tokens=start):
+            return BatchSizeController(
+                ControllerSettings(target=settings.memory_target, max_rows=engine.max_num_seqs),
+                kv_capacity_tokens=engine.kv_cache_tokens,
+                learned=learned,
+                initial_budget_tokens=start,
+            )
+    raise TypeError(f"unknown batch policy {settings.policy!r}")
 
 
 class GenerateStage:
     """Engine actor: the engine is built once, here, and reused for every batch.
     `engine` replaces vLLM (the unit tests pass a fake with the same interface)."""
 
-    def __init__(self, config: RunConfig, model_path: str, run_id: str,
-                 learned: dict[str, int] | None = None, engine: Engine | None = None):
-        batching, debug = config.profile.batching, config.profile.debug
-        self.config = config
-        self.model_path = model_path
-        self.grouping = batching.bucket_grouping
-        self.model_name = config.profile.model.name
-        self.run_id = run_id
-        self.bucketer = LengthBucketer(batching.bucket_boundaries)
-        self.engine = engine or VLLMEngine(vllm_settings(model_path, config.profile.engine, config.job.sampling.seed))
-        self.policy = make_policy(config, self.engine, learned)
-        self.feeder = EngineFeeder(self.engine, self.policy, feed=batching.feed,
-                                   faults=FaultInjector(debug.inject_oom_at_batch, debug.inject_oom_kind))
+    def __init__(self, settings: GenerateSettings, learned: dict[str, int] | None = None,
+                 engine: Engine | None = None):
+        self.settings = settings
+        self.grouping = settings.grouping
+        self.model_name = settings.model_name
+        self.run_id = settings.run_id
+        self.bucketer = LengthBucketer(settings.prepare.bucket_boundaries)
+        self.engine = engine or VLLMEngine(settings.engine)
+        self.policy = make_policy(settings, self.engine, learned)
+        self.feeder = EngineFeeder(self.engine, self.policy, feed=settings.feed,
+                                   faults=FaultInjector(settings.inject_oom_at_batch, settings.inject_oom_kind))
         self.actor = uuid.uuid4().hex[:8]
         self.calls = EngineCalls(self.feeder, self.actor, self.actor_totals, self.engine_info)
-        self.sampling = sampling_of(config.job.sampling)
+        self.sampling = settings.sampling
         self.prep: PrepareStage | None = None  # tokenizer for map-reduce prompts, loaded on first need
-        self.annotations = config.job.annotations
+        self.annotations = settings.annotations
         self.parser = None if self.annotations is None else AnnotationParser(self.annotations.json_schema)
 
     def engine_info(self) -> dict[str, Any]:
@@ -166,7 +158,7 @@ class GenerateStage:
                            records: list[dict[str, Any]]) -> dict[int, Completion]:
         """Map-reduce over the batch's chunked rows, with this model's tokenizer and template."""
         if self.prep is None:
-            self.prep = PrepareStage(self.config, self.model_path, self.engine.max_model_len)
+            self.prep = PrepareStage(replace(self.settings.prepare, max_model_len=self.engine.max_model_len))
         prep = self.prep
 
         def encode(i: int, text: str) -> list[int]:
@@ -178,7 +170,7 @@ class GenerateStage:
             ids, offsets = prep.text_tokens(text)
             if len(ids) <= room:
                 return [text]
-            spans = windows(offsets, text, room, min(self.config.job.length.chunk_overlap, room // 4))
+            spans = windows(offsets, text, room, min(self.settings.chunk_overlap, room // 4))
             return [text[a:b] for a, b in (char_span(offsets, s, e) for s, e in spans)]
 
         def bucket_of(tokens: int) -> str:
@@ -220,8 +212,7 @@ class GenerateStage:
             if self.annotations is None or self.parser is None:
                 continue
             todo = [i for i in members if status[i] == Status.OK and annotation_ids[i] is not None]
-            sampling = sampling_of(self.config.job.sampling, self.annotations.max_new_tokens,
-                                   self.annotations.json_schema)
+            sampling = self.sampling.with_room(self.annotations.max_new_tokens, self.annotations.json_schema)
             done = annotate(self.calls, bucket, todo, annotation_ids, sampling, self.parser.parse,
                             self.annotations.retry_max_new_tokens, self.engine.max_model_len, records)
             for i, a in done.items():

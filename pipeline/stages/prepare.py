@@ -22,10 +22,34 @@ from typing import Any
 import pyarrow as pa
 
 from pipeline import schema
-from pipeline.bucketing import LengthBucketer
-from pipeline.config import RunConfig
+from pipeline.bucketing import DEFAULT_BOUNDARIES, LengthBucketer
+from pipeline.config import LengthConfig, PassagesConfig
 from pipeline.length import char_span, truncate_ids, windows
 from pipeline.schema import Status
+
+
+@dataclass(frozen=True)
+class Prompt:
+    template: str  # the user message; `{column}` fields
+    system: str | None = None
+
+
+@dataclass(frozen=True)
+class PrepareSettings:
+    """What the prepare stage needs, and nothing more (the runner derives it from the config)."""
+
+    model_path: str  # its tokenizer and chat template
+    max_model_len: int
+    prompt: Prompt
+    max_new_tokens: int  # room left for the output: the prompt gets the rest
+    id_column: str = "id"
+    text_column: str = "text"
+    length: LengthConfig = LengthConfig()
+    bucket_boundaries: tuple[int, ...] = tuple(DEFAULT_BOUNDARIES)
+    passages: PassagesConfig | None = None
+    annotation_prompt: Prompt | None = None
+    annotation_max_new_tokens: int = 0
+    cap_tokens: int | None = None  # the corpus percentile cap, when the job asks for one
 
 
 class PromptRenderer:
@@ -106,28 +130,27 @@ class PrepareStage:
     prompt further (the corpus percentile cap).
     """
 
-    def __init__(self, config: RunConfig, model_path: str, max_model_len: int, cap_tokens: int | None = None):
-        self.id_column = config.job.input.id_column
-        self.text_column = config.job.input.text_column
-        self.length = config.job.length
-        self.max_new_tokens = config.job.sampling.max_new_tokens
-        self.max_prompt_tokens = max_model_len - self.max_new_tokens
+    def __init__(self, settings: PrepareSettings):
+        self.settings = settings
+        self.id_column = settings.id_column
+        self.text_column = settings.text_column
+        self.length = settings.length
+        self.max_new_tokens = settings.max_new_tokens
+        self.max_prompt_tokens = settings.max_model_len - self.max_new_tokens
         self.max_text_tokens = self.length.max_input_tokens
-        self.cap_prompt_tokens = cap_tokens
-        self.bucketer = LengthBucketer(config.profile.batching.bucket_boundaries)
-        self.tokenizer = load_tokenizer(model_path)
-        self.renderer = PromptRenderer(
-            self.tokenizer, config.job.prompt.template, config.job.prompt.system
-        )
+        self.cap_prompt_tokens = settings.cap_tokens
+        self.bucketer = LengthBucketer(settings.bucket_boundaries)
+        self.tokenizer = load_tokenizer(settings.model_path)
+        self.renderer = PromptRenderer(self.tokenizer, settings.prompt.template, settings.prompt.system)
         # The chat template spells out its special tokens; adding them again
         # would double the BOS.
         self.add_special_tokens = not self.renderer.chat
-        self.passages = config.job.passages
-        annotations = config.job.annotations
-        self.annotator = None if annotations is None else PromptRenderer(
-            self.tokenizer, annotations.prompt.template, annotations.prompt.system
+        self.passages = settings.passages
+        annotation = settings.annotation_prompt
+        self.annotator = None if annotation is None else PromptRenderer(
+            self.tokenizer, annotation.template, annotation.system
         )
-        self.max_annotation_prompt = max_model_len - (annotations.max_new_tokens if annotations else 0)
+        self.max_annotation_prompt = settings.max_model_len - settings.annotation_max_new_tokens
 
     def encode(self, prompts: list[str]) -> list[list[int]]:
         if not prompts:

@@ -71,8 +71,10 @@ def tuned_profile(config: RunConfig, results: dict[str, BucketResult]) -> dict[s
     """The profile the sweep ran with, batching set to the chosen rows per bucket."""
     profile = config.profile.model_dump(mode="json", exclude_defaults=True, by_alias=True)
     batching = profile.setdefault("batching", {})
-    batching["policy"] = "tuned"
-    batching["tuned_rows"] = {b: r.choice.batch for b, r in results.items() if r.choice is not None}
+    rows = {b: r.choice.batch for b, r in results.items() if r.choice is not None}
+    # Buckets the sweep did not measure keep the rows a fixed policy had, else the default.
+    default = getattr(config.profile.batching.policy, "rows_per_call", None)
+    batching["policy"] = {"kind": "tuned", "rows": rows, **({"rows_per_call": default} if default else {})}
     return profile
 
 

@@ -195,9 +195,10 @@ def collect_sample(config: RunConfig, inputs: Any, model_path: str, max_model_le
                    per_bucket: int, buckets: set[str] | None = None,
                    max_scan_rows: int = 100_000) -> dict[str, list[list[int]]]:
     """Up to `per_bucket` prompts (token ids) per bucket, through the job's own prepare stage."""
+    from pipeline.plan import prepare_settings
     from pipeline.stages.prepare import PrepareStage
 
-    prep = PrepareStage(config, model_path, max_model_len)
+    prep = PrepareStage(prepare_settings(config, model_path, max_model_len))
     sample: dict[str, list[list[int]]] = {}
     scanned = 0
     for batch in iter_batches(inputs):
@@ -217,7 +218,7 @@ def collect_sample(config: RunConfig, inputs: Any, model_path: str, max_model_le
 
 
 def tuning_engine(config: RunConfig, model_path: str) -> VLLMEngine:
-    from pipeline.stages.generate import vllm_settings
+    from pipeline.plan import vllm_settings
 
     engine = config.profile.engine
     extra = {"enable_prefix_caching": False, **engine.extra}
@@ -252,7 +253,7 @@ def run_sweep(config: RunConfig, engine: Engine, sample: dict[str, list[list[int
 
     order = LengthBucketer(config.profile.batching.bucket_boundaries).names
     probe = MemoryProbe(kv_gauges=engine.kv_gauges, preallocated=True)
-    from pipeline.stages.generate import sampling_of
+    from pipeline.plan import sampling_of
 
     sampling = sampling_of(config.job.sampling)
     limit = min(max_batch or engine.max_num_seqs, engine.max_num_seqs)

@@ -6,7 +6,7 @@ from pipeline.config import EngineConfig, SamplingConfig
 from pipeline.generation.feeder import EngineFeeder
 from pipeline.generation.policy import FixedBatchPolicy
 from pipeline.generation.vllm import EngineStartupError, VLLMEngine
-from pipeline.stages.generate import sampling_of, vllm_settings
+from pipeline.plan import sampling_of, vllm_settings
 
 pytestmark = pytest.mark.integration
 

@@ -101,7 +101,7 @@ def test_fixed_batches_streaming_grouping(tiny_model, tmp_path):
         REPO / "jobs/nightly_summarize.yaml", REPO / "conf/local.yaml",
         "--input", str(corpus), "--output", str(tmp_path / "out"),
         "--set", f"model.name={tiny_model}", "--set", "sampling.max_new_tokens=8",
-        "--set", "batching.policy=fixed", "--set", "batching.rows_per_call=8",
+        "--set", "batching.policy={kind: fixed, rows_per_call: 8}",
         "--set", "batching.feed=drain", "--set", "batching.bucket_grouping=per_batch",
         "--set", "batching.generate_batch_rows=40", "--set", "batching.learned_limits=null",
     ))

@@ -65,8 +65,8 @@ def test_each_point_is_measured_twice_and_the_choice_keeps_95_percent(tuned):
 def test_run_uses_the_profile_tune_wrote(tuned):
     tmp, corpus, out, _ = tuned
     profile = yaml.safe_load((out / "profile.yaml").read_text())
-    assert profile["batching"]["policy"] == "tuned"
-    chosen = profile["batching"]["tuned_rows"]
+    assert profile["batching"]["policy"]["kind"] == "tuned"
+    chosen = profile["batching"]["policy"]["rows"]
     sweep = json.loads((out / "sweep.json").read_text())
     assert chosen == {b: v["choice"]["batch"] for b, v in sweep["buckets"].items()}
     output = tmp / "run"

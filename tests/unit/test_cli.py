@@ -63,3 +63,16 @@ def test_an_output_folder_of_foreign_files_exits_2_before_ray_and_keeps_every_by
 def test_backup_existing_is_a_flag_of_run():
     r = CliRunner().invoke(main, ["run", "--help"])
     assert "--backup-existing" in r.output
+
+
+def test_an_old_style_profile_runs_with_one_plain_warning_per_moved_key(tmp_path):
+    """bench/results/tune_local/profile.yaml was written by `pipeline tune` before the
+    batch policy became {kind: ...}; it still loads."""
+    r = CliRunner().invoke(main, ["run", str(REPO / "jobs/nightly_summarize.yaml"), "--profile",
+                                  str(REPO / "bench/results/tune_local/profile.yaml"),
+                                  "--input", str(tmp_path / "none.parquet")])
+    assert r.exit_code == EXIT_BAD_CONFIG and "no such file" in r.output
+    lines = r.output.splitlines()
+    assert any(line.startswith("warning: ") and line.endswith(
+        "batching.policy: tuned is the old spelling; write batching.policy.kind: tuned") for line in lines)
+    assert any(line.endswith("batching.tuned_rows is the old spelling; write batching.policy.rows") for line in lines)

@@ -4,7 +4,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from pipeline.config import ConfigError, load_run_config, parse_override
+from pipeline.config import ConfigDeprecationWarning, ConfigError, load_run_config, parse_override
 
 REPO = Path(__file__).resolve().parents[2]
 JOB = REPO / "jobs" / "nightly_summarize.yaml"
@@ -136,10 +136,49 @@ def test_date_fills_the_nightly_paths():
 
 
 def test_tuned_policy_needs_rows_per_bucket():
-    with pytest.raises(ConfigError, match=r"batching: policy tuned needs tuned_rows"):
-        load_run_config(JOB, LOCAL, ["batching.policy=tuned"])
-    cfg = load_run_config(JOB, LOCAL, ["batching.policy=tuned", "batching.tuned_rows={le128: 32, le256: 16}"])
-    assert cfg.profile.batching.tuned_rows == {"le128": 32, "le256": 16}
+    with pytest.raises(ConfigError, match=r"conf/local.yaml: batching.policy.rows: "
+                                          r"needs rows \(bucket: rows\); `pipeline tune` writes them"):
+        load_run_config(JOB, LOCAL, ["batching.policy.kind=tuned"])
+    cfg = load_run_config(JOB, LOCAL, ["batching.policy={kind: tuned, rows: {le128: 32, le256: 16}}"])
+    assert cfg.profile.batching.policy.rows == {"le128": 32, "le256": 16}
+    assert cfg.profile.batching.describe_policy() == {
+        "policy": "tuned", "memory_target": None, "rows_per_call": 64, "tuned_rows": {"le128": 32, "le256": 16}}
+
+
+def test_the_old_flat_policy_keys_still_work_and_say_the_new_spelling():
+    """`policy: fixed` with `rows_per_call` beside it, as profiles and --set wrote them before."""
+    from pipeline.config import FixedPolicy, TunedPolicy
+
+    with pytest.warns(ConfigDeprecationWarning) as seen:
+        cfg = load_run_config(JOB, LOCAL, ["batching.policy=fixed", "batching.rows_per_call=8"])
+    assert cfg.profile.batching.policy == FixedPolicy(rows_per_call=8)
+    messages = [str(w.message) for w in seen]
+    assert "--set batching.policy=fixed: batching.policy: fixed is the old spelling; write batching.policy.kind: fixed" \
+        in messages
+    assert "--set batching.rows_per_call=8: batching.rows_per_call is the old spelling; write " \
+           "batching.policy.rows_per_call" in messages
+    with pytest.warns(ConfigDeprecationWarning):
+        cfg = load_run_config(JOB, LOCAL, ["batching.policy=tuned", "batching.tuned_rows={le128: 32}"])
+    assert cfg.profile.batching.policy == TunedPolicy(rows={"le128": 32})
+    # A key of another policy is checked, then ignored, as it always was; now the warning says so.
+    with pytest.warns(ConfigDeprecationWarning, match="applies to the fixed and tuned policy, not adaptive: ignored"):
+        assert load_run_config(JOB, LOCAL, ["batching.rows_per_call=8"]).profile.batching.policy.kind == "adaptive"
+    with pytest.raises(ConfigError, match=r"--set batching.rows_per_call=0: batching.rows_per_call: "
+                                          r"Input should be greater than 0 \(got 0\)"):
+        load_run_config(JOB, LOCAL, ["batching.rows_per_call=0"])
+
+
+def test_an_old_style_profile_file_loads_as_the_new_one(tmp_path):
+    old = tmp_path / "old.yaml"
+    old.write_text(LOCAL.read_text().replace("  policy:\n    kind: adaptive\n",
+                                             "  policy: adaptive\n  initial_budget_tokens: 1024\n"))
+    with pytest.warns(ConfigDeprecationWarning, match=f"{old}: batching.initial_budget_tokens is the old spelling"):
+        cfg = load_run_config(JOB, old)
+    assert cfg.profile.batching.policy.initial_budget_tokens == 1024
+    # New-style --set keys reach into the old-style file's policy.
+    with pytest.warns(ConfigDeprecationWarning):
+        assert load_run_config(JOB, old, ["batching.policy.initial_budget_tokens=2048"]).profile.batching.policy \
+            .initial_budget_tokens == 2048
 
 
 def test_fixed_policy_takes_per_bucket_rows():

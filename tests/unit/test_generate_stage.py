@@ -10,6 +10,7 @@ import pytest
 
 from pipeline import schema
 from pipeline.config import load_run_config
+from pipeline.plan import generate_settings, prepare_settings
 from pipeline.stages.generate import GenerateStage
 from pipeline.stages.prepare import PrepareStage
 from tests.conftest import REPO
@@ -24,9 +25,9 @@ CORPUS = pa.table({
 
 def stages(tiny_model, job, sets, engine, max_model_len=2048):
     config = load_run_config(REPO / job, REPO / "conf/local.yaml", ["batching.learned_limits=null", *sets])
-    prepare = PrepareStage(config, str(tiny_model), max_model_len=max_model_len)
+    prepare = PrepareStage(prepare_settings(config, str(tiny_model), max_model_len))
     engine.max_model_len = max_model_len
-    return prepare, GenerateStage(config, str(tiny_model), "run1", engine=engine)
+    return prepare, GenerateStage(generate_settings(config, str(tiny_model), max_model_len, "run1"), engine=engine)
 
 
 def kb_reply(ids, sampling):
@@ -100,8 +101,26 @@ def test_a_dead_engine_is_rebuilt_and_no_row_is_lost(tiny_model):
 @pytest.mark.parametrize("policy", ["fixed", "adaptive"])
 def test_both_policies_serve_every_row_once(tiny_model, policy):
     engine = FakeEngine(reply=lambda ids, s: "ok", vary=True)
-    sets = ["batching.policy=fixed", "batching.rows_per_call=2"] if policy == "fixed" else []
+    sets = ["batching.policy={kind: fixed, rows_per_call: 2}"] if policy == "fixed" else []
     prepare, generate = stages(tiny_model, "jobs/nightly_summarize.yaml", sets, engine)
     out = generate(prepare(CORPUS))
     assert out.column("id").to_pylist() == ["a", "b", "c"] and out.column("status").to_pylist() == ["ok"] * 3
     assert schema.PROMPT_TOKEN_IDS not in out.column_names
+
+
+def test_the_stage_needs_only_its_own_settings_no_yaml(tiny_model):
+    """GenerateSettings and PrepareSettings built by hand: no job or profile file."""
+    from pipeline.config import FixedPolicy
+    from pipeline.generation.engine import Sampling
+    from pipeline.generation.vllm import VLLMSettings
+    from pipeline.stages.generate import GenerateSettings
+    from pipeline.stages.prepare import PrepareSettings, Prompt
+
+    prep = PrepareSettings(model_path=str(tiny_model), max_model_len=512, prompt=Prompt("{text}"), max_new_tokens=8)
+    settings = GenerateSettings(run_id="r", model_name="tiny", engine=VLLMSettings(kwargs={}),
+                                sampling=Sampling(8), prepare=prep, policy=FixedPolicy(rows_per_call=2))
+    engine = FakeEngine(reply=lambda ids, s: "done")
+    out = GenerateStage(settings, engine=engine)(PrepareStage(prep)(pa.table({"id": ["a", "b", "c"],
+                                                                           "text": ["x", "y", "z"]})))
+    assert out.column("summary").to_pylist() == ["done"] * 3 and engine.max_seen <= 2
+    assert out.column("model").to_pylist() == ["tiny"] * 3 and out.column("run_id").to_pylist() == ["r"] * 3

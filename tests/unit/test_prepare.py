@@ -5,6 +5,7 @@ import pytest
 
 from pipeline import schema
 from pipeline.config import load_run_config
+from pipeline.plan import prepare_settings
 from pipeline.stages.prepare import PrepareStage
 from tests.conftest import REPO
 
@@ -15,7 +16,7 @@ def stage(tiny_model):
         REPO / "jobs/nightly_summarize.yaml", REPO / "conf/local.yaml",
         ["batching.bucket_boundaries=[64, 96]", "sampling.max_new_tokens=16"],
     )
-    return PrepareStage(cfg, str(tiny_model), max_model_len=256)
+    return PrepareStage(prepare_settings(cfg, str(tiny_model), 256))
 
 
 def test_renders_with_chat_template_and_counts_tokens(stage):
@@ -35,7 +36,7 @@ def make_stage(tiny_model, *sets, max_model_len=256):
         REPO / "jobs/nightly_summarize.yaml", REPO / "conf/local.yaml",
         ["batching.bucket_boundaries=[64, 96]", "sampling.max_new_tokens=16", *sets],
     )
-    return PrepareStage(cfg, str(tiny_model), max_model_len=max_model_len)
+    return PrepareStage(prepare_settings(cfg, str(tiny_model), max_model_len))
 
 
 def batch_of(texts, ids=None):
@@ -117,7 +118,7 @@ def test_binary_text_is_decoded_and_noted(stage):
 def kb_stage(tiny_model):
     cfg = load_run_config(REPO / "jobs/kb_ingest.yaml", REPO / "conf/local.yaml",
                           ["passages.tokens=40", "passages.overlap=8"])
-    return PrepareStage(cfg, str(tiny_model), max_model_len=2048)
+    return PrepareStage(prepare_settings(cfg, str(tiny_model), 2048))
 
 
 def test_passages_map_back_to_the_exact_text_with_the_configured_overlap(kb_stage):
@@ -156,3 +157,16 @@ def test_a_bad_document_stays_one_error_row_among_passages(kb_stage):
     rows = out.to_pylist()
     assert [(r["id"], r["passage_index"], r["status"]) for r in rows] == [(1, None, "error"), (2, 0, "ok")]
     assert rows[0]["passage"] is None and rows[0]["error"] == "text is whitespace only"
+
+
+def test_the_stage_needs_only_its_own_settings_no_yaml(tiny_model):
+    """Built from PrepareSettings alone: no job or profile file, no RunConfig."""
+    from pipeline.stages.prepare import PrepareSettings, Prompt
+
+    stage = PrepareStage(PrepareSettings(model_path=str(tiny_model), max_model_len=256,
+                                         prompt=Prompt("Summarize: {body}"), max_new_tokens=16,
+                                         id_column="key", text_column="body", bucket_boundaries=(64, 128)))
+    out = stage(pa.table({"key": [1, 2], "body": ["A short note.", None]}))
+    assert out.column("status").to_pylist() == ["ok", "error"]
+    assert out.column("bucket").to_pylist()[0] == "le64"
+    assert "Summarize: A short note." in stage.tokenizer.decode(out.column(schema.PROMPT_TOKEN_IDS)[0].as_py())

@@ -1,26 +1,18 @@
-"""One typed config per run: a job file, a profile file and `--set` overrides.
+"""The config models: a job (what to produce) and a profile (where and how it runs).
 
-A job (`jobs/*.yaml`) says *what* to produce: input, output, prompt, sampling.
-A profile (`conf/*.yaml`) says *where and how* it runs: model, engine,
-hardware, batching. Both are checked here, before any model loads, and every
-error names the file (or `--set`) and the dotted field it is about.
+Every field carries a description and its bounds; the models check
+themselves. Loading files and `--set` overrides, and naming the file and the
+dotted field in errors, is `pipeline.config.load`.
 """
 
 from __future__ import annotations
 
 import string
-from datetime import datetime, timedelta, timezone
-from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pipeline.bucketing import DEFAULT_BOUNDARIES
-
-
-class ConfigError(ValueError):
-    """A config file or override is wrong; the message names file and field."""
 
 
 class _Section(BaseModel):
@@ -231,23 +223,66 @@ class HardwareConfig(_Section):
     )
 
 
-class BatchingConfig(_Section):
-    policy: Literal["adaptive", "fixed", "tuned"] = Field(
-        "adaptive",
-        description="adaptive: grow each bucket's token budget to the memory target; fixed: rows_per_call rows; "
-        "tuned: the rows per bucket `pipeline tune` chose (tuned_rows), rows_per_call for other buckets.",
-    )
-    memory_target: float = Field(0.90, ge=0.5, le=0.98, description="Memory pressure the adaptive policy aims for.")
+class AdaptivePolicy(_Section):
+    """Grow each bucket's token budget until memory pressure reaches `batching.memory_target`;
+    back off on out-of-memory and KV-cache preemption (pipeline/generation/policy/adaptive.py)."""
+
+    kind: Literal["adaptive"] = "adaptive"
     initial_budget_tokens: int | None = Field(
-        None, gt=0, description="Adaptive start, in tokens in flight; default: 0.9 x the engine's KV capacity."
+        None, gt=0, description="Start, in tokens in flight; default: 0.9 x the engine's KV capacity."
+    )
+
+    def describe(self) -> dict[str, Any]:
+        return {"rows_per_call": None, "tuned_rows": None}
+
+
+class FixedPolicy(_Section):
+    """The same number of rows in flight for every bucket."""
+
+    kind: Literal["fixed"] = "fixed"
+    rows_per_call: int = Field(64, gt=0, description="Rows in flight.")
+
+    def describe(self) -> dict[str, Any]:
+        return {"rows_per_call": self.rows_per_call, "tuned_rows": None}
+
+
+class TunedPolicy(_Section):
+    """The rows per bucket that `pipeline tune` chose, and `rows_per_call` for other buckets."""
+
+    kind: Literal["tuned"] = "tuned"
+    rows: dict[str, int] = Field(default_factory=dict, validate_default=True,
+                                 description="Rows in flight per bucket (written by `pipeline tune`).")
+    rows_per_call: int = Field(64, gt=0, description="Rows in flight for buckets tune did not measure.")
+
+    @field_validator("rows")
+    @classmethod
+    def _has_rows(cls, rows: dict[str, int]) -> dict[str, int]:
+        if not rows:
+            raise ValueError("needs rows (bucket: rows); `pipeline tune` writes them")
+        if any(v < 1 for v in rows.values()):
+            raise ValueError("must be at least 1 row per bucket")
+        return rows
+
+    def describe(self) -> dict[str, Any]:
+        return {"rows_per_call": self.rows_per_call, "tuned_rows": dict(self.rows)}
+
+
+BatchPolicyConfig = Annotated[AdaptivePolicy | FixedPolicy | TunedPolicy, Field(discriminator="kind")]
+
+
+class BatchingConfig(_Section):
+    policy: BatchPolicyConfig = Field(
+        default_factory=AdaptivePolicy,
+        description="How many rows each bucket has in flight: {kind: adaptive} grows to the memory target, "
+        "{kind: fixed, rows_per_call: N}, or {kind: tuned, rows: {bucket: N}} from `pipeline tune`.",
+    )
+    memory_target: float = Field(
+        0.90, ge=0.5, le=0.98,
+        description="Memory pressure the adaptive policy aims for, and where `pipeline tune` stops.",
     )
     feed: Literal["continuous", "drain"] = Field(
         "continuous",
         description="continuous: admit rows as others finish; drain: classic batches, each run to its last row.",
-    )
-    rows_per_call: int = Field(64, gt=0, description="Rows in flight under the fixed policy.")
-    tuned_rows: dict[str, int] = Field(
-        default_factory=dict, description="Rows in flight per bucket under the tuned policy (written by tune)."
     )
     bucket_boundaries: list[int] = Field(
         default_factory=lambda: list(DEFAULT_BOUNDARIES),
@@ -268,18 +303,16 @@ class BatchingConfig(_Section):
     )
     learned_limits: str | None = Field(
         None,
-        description="File to start from and save per-bucket limits to, keyed by model, hardware, "
-        "max_model_len and dtype; none: do not persist.",
+        description="Adaptive policy: file to start from and save per-bucket limits to, keyed by model, "
+        "hardware, max_model_len and dtype; none: do not persist.",
     )
     learned_max_age_days: float = Field(30.0, gt=0, description="Older learned limits are ignored.")
 
-    @model_validator(mode="after")
-    def _tuned_has_rows(self) -> BatchingConfig:
-        if self.policy == "tuned" and not self.tuned_rows:
-            raise ValueError("policy tuned needs tuned_rows (bucket: rows); `pipeline tune` writes them")
-        if any(v < 1 for v in self.tuned_rows.values()):
-            raise ValueError("tuned_rows must be at least 1 row per bucket")
-        return self
+    def describe_policy(self) -> dict[str, Any]:
+        """The policy as the report has always shown it: policy, memory_target, rows_per_call, tuned_rows."""
+        adaptive = isinstance(self.policy, AdaptivePolicy)
+        return {"policy": self.policy.kind, "memory_target": self.memory_target if adaptive else None,
+                **self.policy.describe()}
 
     @field_validator("bucket_grouping", mode="before")
     @classmethod
@@ -322,151 +355,3 @@ class RunConfig(_Section):
     date: str | None = None  # the {date} the job's paths were filled with
 
 
-# --- loading ------------------------------------------------------------------
-
-JOB_SECTIONS = frozenset(JobConfig.model_fields)
-PROFILE_SECTIONS = frozenset(ProfileConfig.model_fields)
-
-
-def _read_yaml(path: Path) -> dict[str, Any]:
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-        raise ConfigError(f"{path}: {where}invalid YAML: {getattr(e, 'problem', e)}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping of sections, got {type(data).__name__}")
-    return data
-
-
-def parse_override(item: str) -> tuple[list[str], Any]:
-    """`sampling.max_new_tokens=16` -> (["sampling", "max_new_tokens"], 16).
-
-    The value is read as YAML, so numbers, booleans, lists and null get their types.
-    """
-    key, sep, raw = item.partition("=")
-    if not sep or not key.strip():
-        raise ConfigError(f"--set {item}: expected key=value, e.g. sampling.max_new_tokens=16")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
-    return key.strip().split("."), value
-
-
-def _apply(data: dict[str, Any], keys: list[str], value: Any, item: str) -> None:
-    node = data
-    for k in keys[:-1]:
-        child = node.setdefault(k, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"--set {item}: {k} is not a section")
-        node = child
-    node[keys[-1]] = value
-
-
-def _source(loc: str, source_of: dict[str, str]) -> str:
-    """Where the value at `loc` came from: the longest override prefix, else the file."""
-    keys = [k for k in source_of if k and (loc == k or loc.startswith(k + "."))]
-    return source_of[max(keys, key=len)] if keys else source_of[""]
-
-
-def _format_errors(error: ValidationError, source_of: dict[str, str]) -> str:
-    lines = []
-    for err in error.errors():
-        loc = ".".join(str(p) for p in err["loc"])
-        msg = "unknown field" if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
-        inner = (err.get("ctx") or {}).get("error")
-        if getattr(inner, "path", None):  # a key inside the value, e.g. a JSON Schema's
-            loc, msg = f"{loc}.{inner.path}", msg.removeprefix(f"{inner.path}: ")
-        elif err["type"] not in ("missing", "extra_forbidden"):
-            got = repr(err["input"])
-            msg = f"{msg} (got {got if len(got) <= 80 else got[:77] + '...'})"
-        lines.append(f"{_source(loc, source_of)}: {loc}: {msg}")
-    return "\n".join(lines)
-
-
-def _validate(model: type[BaseModel], data: dict[str, Any], source_of: dict[str, str]) -> Any:
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        raise ConfigError(_format_errors(e, source_of)) from None
-
-
-DATE_FIELD = "{date}"
-
-
-def yesterday_utc() -> str:
-    return (datetime.now(timezone.utc).date() - timedelta(days=1)).isoformat()
-
-
-def _fill_date(job: dict[str, Any], date: str | None, job_src: dict[str, str]) -> str | None:
-    """Put the date into input.path and output.path where they say {date}.
-
-    Without `date`, a job that has the placeholder gets yesterday (UTC): the
-    nightly run processes the day that just ended.
-    """
-    sections = [(k, job.get(k)) for k in ("input", "output")]
-    templated = [(k, sec) for k, sec in sections
-                 if isinstance(sec, dict) and isinstance(sec.get("path"), str) and DATE_FIELD in sec["path"]]
-    if not templated:
-        if date is not None:
-            raise ConfigError(f"--date {date}: {job_src['']} has no {DATE_FIELD} in input.path or output.path")
-        return None
-    if date is None:
-        date = yesterday_utc()
-    else:
-        try:
-            if datetime.strptime(date, "%Y-%m-%d").date().isoformat() != date:
-                raise ValueError
-        except ValueError:
-            raise ConfigError(f"--date {date}: expected a day as YYYY-MM-DD, e.g. 2026-11-29") from None
-    for _, sec in templated:
-        sec["path"] = sec["path"].replace(DATE_FIELD, date)
-    return date
-
-
-def load_run_config(
-    job_file: str | Path,
-    profile_file: str | Path,
-    overrides: list[str] | tuple[str, ...] = (),
-    input_path: str | None = None,
-    output_path: str | None = None,
-    date: str | None = None,
-) -> RunConfig:
-    """Load, merge and check a job and a profile; raise ConfigError naming the culprit."""
-    job_file, profile_file = Path(job_file), Path(profile_file)
-    job, profile = _read_yaml(job_file), _read_yaml(profile_file)
-    job_src: dict[str, str] = {"": str(job_file)}
-    profile_src: dict[str, str] = {"": str(profile_file)}
-
-    for items, path in ((["input", "path"], input_path), (["output", "path"], output_path)):
-        if path is not None:
-            _apply(job, items, path, "=".join(items))
-            job_src[".".join(items)] = f"--{items[0]}"
-    for item in overrides:
-        keys, value = parse_override(item)
-        if keys[0] in JOB_SECTIONS:
-            _apply(job, keys, value, item)
-            job_src[".".join(keys)] = f"--set {item}"
-        elif keys[0] in PROFILE_SECTIONS:
-            _apply(profile, keys, value, item)
-            profile_src[".".join(keys)] = f"--set {item}"
-        else:
-            raise ConfigError(
-                f"--set {item}: unknown section {keys[0]!r}; job sections: "
-                f"{', '.join(sorted(JOB_SECTIONS))}; profile sections: {', '.join(sorted(PROFILE_SECTIONS))}"
-            )
-
-    filled = _fill_date(job, date, job_src)
-    job_cfg = _validate(JobConfig, job, job_src)
-    profile_cfg = _validate(ProfileConfig, profile, profile_src)
-    return RunConfig(
-        job=job_cfg, profile=profile_cfg, job_file=str(job_file), profile_file=str(profile_file), date=filled
-    )

@@ -1,0 +1,31 @@
+"""One typed config per run: the models (models.py) and how files and overrides load into
+them (load.py). Import from here: `from pipeline.config import RunConfig, load_run_config`."""
+
+from pipeline.config.load import ConfigDeprecationWarning, ConfigError, load_run_config, parse_override
+from pipeline.config.models import (
+    AdaptivePolicy,
+    AnnotationsConfig,
+    BatchingConfig,
+    DebugConfig,
+    EngineConfig,
+    FixedPolicy,
+    HardwareConfig,
+    InputConfig,
+    JobConfig,
+    LengthConfig,
+    ModelConfig,
+    OutputConfig,
+    PassagesConfig,
+    ProfileConfig,
+    PromptConfig,
+    RunConfig,
+    SamplingConfig,
+    TunedPolicy,
+)
+
+__all__ = [
+    "AdaptivePolicy", "AnnotationsConfig", "BatchingConfig", "ConfigDeprecationWarning", "ConfigError",
+    "DebugConfig", "EngineConfig", "FixedPolicy", "HardwareConfig", "TunedPolicy",
+    "InputConfig", "JobConfig", "LengthConfig", "ModelConfig", "OutputConfig", "PassagesConfig", "ProfileConfig",
+    "PromptConfig", "RunConfig", "SamplingConfig", "load_run_config", "parse_override",
+]

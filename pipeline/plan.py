@@ -1,0 +1,101 @@
+"""From one RunConfig to each stage's own small, frozen settings.
+
+The stages never see the whole config: the prepare stage gets PrepareSettings,
+the generate stage GenerateSettings, and the generation core plain Sampling
+and VLLMSettings. This module is the one place that knows both sides, so a
+config key that moves changes here and in the config models, nowhere else.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline.config import EngineConfig, RunConfig, SamplingConfig
+from pipeline.generation.engine import Sampling
+from pipeline.generation.vllm import VLLMSettings
+from pipeline.stages.generate import AnnotationSettings, GenerateSettings
+from pipeline.stages.prepare import PrepareSettings, Prompt
+
+
+def engine_kwargs(model: str, engine: EngineConfig, seed: int | None) -> dict[str, Any]:
+    """Keyword arguments for `vllm.LLM`, from the profile's engine section."""
+    kwargs: dict[str, Any] = {
+        "model": model,
+        "dtype": engine.dtype,
+        "gpu_memory_utilization": engine.gpu_memory_utilization,
+        "enforce_eager": engine.enforce_eager,
+        # Stats on: they are how the engine reports KV-cache use and preemptions.
+        "disable_log_stats": False,
+        "seed": seed if seed is not None else 0,
+    }
+    optional = {
+        "max_model_len": engine.max_model_len,
+        "num_gpu_blocks_override": engine.num_gpu_blocks_override,
+        "max_num_seqs": engine.max_num_seqs,
+        "max_num_batched_tokens": engine.max_num_batched_tokens,
+    }
+    kwargs.update({k: v for k, v in optional.items() if v is not None})
+    # JSON without free whitespace: a weak model otherwise pads it with newlines
+    # until max tokens cut it off (seen with the tiny model: 700 tokens of "\n").
+    kwargs["structured_outputs_config"] = {
+        "backend": engine.structured_outputs_backend, "disable_any_whitespace": True,
+    }
+    kwargs.update(engine.extra)
+    return kwargs
+
+
+def vllm_settings(model: str, engine: EngineConfig, seed: int | None) -> VLLMSettings:
+    return VLLMSettings(engine_kwargs(model, engine, seed), startup_backoff=engine.startup_backoff,
+                        min_gpu_memory_utilization=engine.min_gpu_memory_utilization,
+                        cpu_kvcache_space_gib=engine.cpu_kvcache_space_gib)
+
+
+def sampling_of(sampling: SamplingConfig, max_new_tokens: int | None = None,
+                json_schema: dict[str, Any] | None = None) -> Sampling:
+    """The job's sampling as the generation core takes it."""
+    return Sampling(max_new_tokens or sampling.max_new_tokens, sampling.temperature, sampling.top_p,
+                    sampling.seed, json_schema)
+
+
+def prepare_settings(config: RunConfig, model_path: str, max_model_len: int,
+                     cap_tokens: int | None = None) -> PrepareSettings:
+    job = config.job
+    annotations = job.annotations
+    return PrepareSettings(
+        model_path=model_path,
+        max_model_len=max_model_len,
+        prompt=Prompt(job.prompt.template, job.prompt.system),
+        max_new_tokens=job.sampling.max_new_tokens,
+        id_column=job.input.id_column,
+        text_column=job.input.text_column,
+        length=job.length,
+        bucket_boundaries=tuple(config.profile.batching.bucket_boundaries),
+        passages=job.passages,
+        annotation_prompt=None if annotations is None else Prompt(annotations.prompt.template,
+                                                                 annotations.prompt.system),
+        annotation_max_new_tokens=annotations.max_new_tokens if annotations else 0,
+        cap_tokens=cap_tokens,
+    )
+
+
+def generate_settings(config: RunConfig, model_path: str, max_model_len: int, run_id: str,
+                      cap_tokens: int | None = None) -> GenerateSettings:
+    job, profile = config.job, config.profile
+    batching, annotations = profile.batching, job.annotations
+    return GenerateSettings(
+        run_id=run_id,
+        model_name=profile.model.name,
+        engine=vllm_settings(model_path, profile.engine, job.sampling.seed),
+        sampling=sampling_of(job.sampling),
+        prepare=prepare_settings(config, model_path, max_model_len, cap_tokens),
+        policy=batching.policy,
+        memory_target=batching.memory_target,
+        feed=batching.feed,
+        grouping=batching.bucket_grouping,
+        annotations=None if annotations is None else AnnotationSettings(
+            annotations.json_schema, annotations.max_new_tokens, annotations.retry_max_new_tokens,
+            annotations.column_prefix),
+        chunk_overlap=job.length.chunk_overlap,
+        inject_oom_at_batch=profile.debug.inject_oom_at_batch,
+        inject_oom_kind=profile.debug.inject_oom_kind,
+    )
