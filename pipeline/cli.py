@@ -153,7 +153,7 @@ def run(job: Path, profile: Path, input_path: str | None, output_path: str | Non
         overrides = (*overrides, "output.backup_existing=true")
     try:
         config = load_config(job, profile, overrides, input_path, output_path, date=date)
-        report = run_job(config)
+        report = run_job(config).to_json()
     except (ConfigError, InputError, OutputError, OutputBusy) as e:
         _fail(EXIT_BAD_CONFIG, str(e))
     except PublishError as e:  # the run finished; its output waits in its staging

@@ -45,8 +45,8 @@ def engine_kwargs(model: str, engine: EngineConfig, seed: int | None) -> dict[st
 
 
 def vllm_settings(model: str, engine: EngineConfig, seed: int | None) -> VLLMSettings:
-    return VLLMSettings(engine_kwargs(model, engine, seed), startup_backoff=engine.startup_backoff,
-                        min_gpu_memory_utilization=engine.min_gpu_memory_utilization,
+    return VLLMSettings(engine_kwargs(model, engine, seed), startup_backoff=engine.restart.startup_backoff,
+                        min_gpu_memory_utilization=engine.restart.min_gpu_memory_utilization,
                         cpu_kvcache_space_gib=engine.cpu_kvcache_space_gib)
 
 

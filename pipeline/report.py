@@ -7,6 +7,7 @@ what actually reached the output files.
 from __future__ import annotations
 
 import json
+from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from typing import Any
 
@@ -108,60 +109,112 @@ def bucket_batching(calls: list[dict[str, Any]], order: tuple[str, ...]) -> dict
     return out
 
 
+@dataclass
+class RunReport:
+    """`_report.json`: one typed record of a run, in the order the file shows it.
+
+    The nested sections stay plain JSON objects (their keys are pinned by
+    tests/integration/test_report_schema.py). `passages` and `annotations` are
+    left out of the file for jobs without them.
+    """
+
+    run_id: str
+    job: str
+    job_file: str
+    profile_file: str
+    model: str
+    input: str
+    output: str
+    started_at: str
+    wall_s: float
+    rows_in: int | None
+    rows_out: int
+    status: dict[str, int]
+    buckets: dict[str, Any]
+    tokens: dict[str, int]
+    output_tokens_per_s: float | None
+    engine_s: float
+    engine_output_tokens_per_s: float | None
+    busy_fraction: float | None
+    fill: float | None
+    batching: dict[str, Any]
+    engine: dict[str, Any]
+    engine_calls: list[dict[str, Any]]
+    files: list[str]
+    versions: dict[str, str | None]
+    date: str | None = None
+    input_files: dict[str, Any] = field(default_factory=dict)
+    passages: dict[str, Any] | None = None
+    annotations: dict[str, Any] | None = None
+    length: dict[str, Any] = field(default_factory=dict)
+    plot_path: str | None = None
+    report_path: str = ""
+    publish: dict[str, Any] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        for optional in ("passages", "annotations"):
+            if out[optional] is None:
+                del out[optional]
+        return out
+
+
 def build_report(
     *,
     run_id: str,
     config: Any,
-    rows_in: int,
+    rows_in: int | None,
     written: dict[str, Any],
     wall_s: float,
     started_at: str,
     engine_settings: dict[str, Any],
     bucket_order: tuple[str, ...],
-) -> dict[str, Any]:
+) -> RunReport:
+    """What was written and how the engines did: every field the writers' stats decide."""
     calls = sorted(written["calls"].values(), key=lambda c: c.get("call", ""))
     engines = [c.pop("engine") for c in calls if "engine" in c]
     actors = actor_summaries(calls)
     engine_s = sum(c.get("wall_s", 0.0) for c in calls)
     busy_s = sum(a["busy_s"] for a in actors)
     batching = config.profile.batching
-    return {
-        "run_id": run_id,
-        "job": config.job.name,
-        "job_file": config.job_file,
-        "profile_file": config.profile_file,
-        "model": config.profile.model.name,
-        "input": config.job.input.path,
-        "output": config.job.output.path,
-        "started_at": started_at,
-        "wall_s": round(wall_s, 3),
-        "rows_in": rows_in,
-        "rows_out": written["rows"],
-        "status": written["status"],
-        "buckets": bucket_table(written["prompt_tokens_by_bucket"], bucket_order),
-        "tokens": {"prompt": written["prompt_tokens"], "output": written["output_tokens"]},
-        "output_tokens_per_s": round(written["output_tokens"] / wall_s, 2) if wall_s > 0 else None,
+    return RunReport(
+        run_id=run_id,
+        job=config.job.name,
+        job_file=config.job_file,
+        profile_file=config.profile_file,
+        model=config.profile.model.name,
+        input=config.job.input.path,
+        output=config.job.output.path,
+        started_at=started_at,
+        wall_s=round(wall_s, 3),
+        rows_in=rows_in,
+        rows_out=written["rows"],
+        status=written["status"],
+        buckets=bucket_table(written["prompt_tokens_by_bucket"], bucket_order),
+        tokens={"prompt": written["prompt_tokens"], "output": written["output_tokens"]},
+        output_tokens_per_s=round(written["output_tokens"] / wall_s, 2) if wall_s > 0 else None,
         # Wall time includes Ray and engine start-up; engine time is the calls alone.
-        "engine_s": round(engine_s, 3),
-        "engine_output_tokens_per_s": round(written["output_tokens"] / engine_s, 2) if engine_s > 0 else None,
+        engine_s=round(engine_s, 3),
+        engine_output_tokens_per_s=round(written["output_tokens"] / engine_s, 2) if engine_s > 0 else None,
         # Time with at least one request running, over the time the engines were in use.
-        "busy_fraction": (
+        busy_fraction=(
             round(busy_s / sum(a["active_s"] for a in actors), 4)
             if actors and sum(a["active_s"] for a in actors) > 0 else None
         ),
-        "fill": _weighted([(c.get("fill"), c.get("busy_s", 0.0)) for c in calls]),
-        "batching": {
+        fill=_weighted([(c.get("fill"), c.get("busy_s", 0.0)) for c in calls]),
+        batching={
             **batching.describe_policy(),
             "feed": batching.feed,
             "backoffs": sum(len(c.get("backoffs", [])) for c in calls),
             "per_bucket": bucket_batching(calls, bucket_order),
         },
-        "engine": {"settings": engine_settings, "engines": engines, "actors": actors, "calls": len(calls)},
-        "engine_calls": [{k: v for k, v in c.items() if k not in ("trajectory", "backoffs", "actor")}
-                         | {"actor": c.get("actor", {}).get("actor")} for c in calls],
-        "files": sorted(written["files"]),
-        "versions": versions(),
-    }
+        engine={"settings": engine_settings, "engines": engines, "actors": actors, "calls": len(calls)},
+        engine_calls=[{k: v for k, v in c.items() if k not in ("trajectory", "backoffs", "actor")}
+                     | {"actor": c.get("actor", {}).get("actor")} for c in calls],
+        files=sorted(written["files"]),
+        versions=versions(),
+    )
 
 
 def write_beside(fs: pafs.FileSystem, folder: str, name: str, data: bytes) -> str:
@@ -171,5 +224,5 @@ def write_beside(fs: pafs.FileSystem, folder: str, name: str, data: bytes) -> st
     return path
 
 
-def write_report(fs: pafs.FileSystem, folder: str, report: dict[str, Any]) -> str:
-    return write_beside(fs, folder, REPORT_NAME, json.dumps(report, indent=2).encode())
+def write_report(fs: pafs.FileSystem, folder: str, report: RunReport) -> str:
+    return write_beside(fs, folder, REPORT_NAME, json.dumps(report.to_json(), indent=2).encode())

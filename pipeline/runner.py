@@ -25,13 +25,13 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline import learned, schema
+from pipeline import limits_store, schema
 from pipeline.bucketing import LengthBucketer
 from pipeline.config import AdaptivePolicy, RunConfig
 from pipeline.inputs import InputError, check_inputs, duplicate_ids
 from pipeline.output import OutputTarget, PublishError
-from pipeline.plots import plot_trajectories
-from pipeline.report import REPORT_NAME, build_report, write_beside, write_report
+from pipeline.report_plot import plot_trajectories
+from pipeline.report import REPORT_NAME, RunReport, build_report, write_beside, write_report
 from pipeline.plan import engine_kwargs, generate_settings, prepare_settings
 from pipeline.stages.prepare import PrepareSettings, context_limit
 
@@ -81,7 +81,7 @@ def init_ray(config: RunConfig) -> None:
         ray.init(num_cpus=hw.ray_num_cpus, include_dashboard=False, runtime_env={"env_vars": env})
 
 
-def prepared(config: RunConfig, inputs: Any, settings: PrepareSettings) -> Any:
+def read_and_prepare(config: RunConfig, inputs: Any, settings: PrepareSettings) -> Any:
     """The input read and run through the prepare stage (lazy: nothing runs yet)."""
     from pipeline.stages.prepare import PrepareStage
 
@@ -102,7 +102,7 @@ def corpus_percentile_cap(config: RunConfig, inputs: Any, prepare: PrepareSettin
     import numpy as np
     import ray
 
-    ds = prepared(config, inputs, prepare).select_columns(["prompt_tokens", "original_tokens"])
+    ds = read_and_prepare(config, inputs, prepare).select_columns(["prompt_tokens", "original_tokens"])
     table = pa.concat_tables(ray.get(ds.to_arrow_refs()))
     measured = pc.if_else(pc.is_null(table.column("original_tokens")), table.column("prompt_tokens"),
                           table.column("original_tokens")).drop_null().to_numpy()
@@ -111,7 +111,7 @@ def corpus_percentile_cap(config: RunConfig, inputs: Any, prepare: PrepareSettin
     return max(1, int(np.percentile(measured, config.job.length.outlier_percentile)))
 
 
-def run_job(config: RunConfig, run_id: str | None = None) -> dict[str, Any]:
+def run_job(config: RunConfig, run_id: str | None = None) -> RunReport:
     """Run the job end to end and return its report (also written as `_report.json`)."""
     run_id = run_id or new_run_id()
     started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -145,14 +145,14 @@ def run_job(config: RunConfig, run_id: str | None = None) -> dict[str, Any]:
             target.discard()
             raise
         # 5. Publish; a failure here keeps the staging, which holds the complete output.
-        report["warnings"] += target.publish()
+        report.warnings += target.publish()
     finally:
         target.close()
     return report
 
 
 def _generate(config: RunConfig, run_id: str, inputs: Any, out_schema: pa.Schema, target: OutputTarget,
-              started: float, started_at: str) -> dict[str, Any]:
+              started: float, started_at: str) -> RunReport:
     """Steps 3 and 4: generate every row into the staging, then the report beside them."""
     from pipeline.sink import ParquetPartsSink
     from pipeline.stages.generate import GenerateStage
@@ -161,10 +161,10 @@ def _generate(config: RunConfig, run_id: str, inputs: Any, out_schema: pa.Schema
     model_path = resolve_model(config)
     max_model_len = context_limit(model_path, profile.engine.max_model_len)
     bucketer = LengthBucketer(profile.batching.bucket_boundaries)
-    limits_key = learned.limits_key(
-        profile.model.name, learned.hardware_id(profile.hardware.accelerator), max_model_len, profile.engine.dtype
+    limits_key = limits_store.limits_key(
+        profile.model.name, limits_store.hardware_id(profile.hardware.accelerator), max_model_len, profile.engine.dtype
     )
-    start_limits = learned.load_limits(
+    start_limits = limits_store.load_limits(
         profile.batching.learned_limits, limits_key, profile.batching.learned_max_age_days
     )
 
@@ -174,7 +174,7 @@ def _generate(config: RunConfig, run_id: str, inputs: Any, out_schema: pa.Schema
     percentile_cap = None
     if job.length.outlier_percentile is not None:
         percentile_cap = corpus_percentile_cap(config, inputs, prepare_settings(config, model_path, max_model_len))
-    ds = prepared(config, inputs, prepare_settings(config, model_path, max_model_len, percentile_cap))
+    ds = read_and_prepare(config, inputs, prepare_settings(config, model_path, max_model_len, percentile_cap))
     if batching.bucket_grouping == "global":
         # One range partition per bucket: the engine sees each bucket's rows together.
         ds = ds.sort(schema.BUCKET_INDEX, boundaries=list(range(1, len(bucketer.names))))
@@ -210,7 +210,7 @@ def _side_step(warnings: list[str], what: str, step: Callable[[], Any]) -> Any:
 
 def finish(config: RunConfig, sink: Any, target: OutputTarget, run_id: str, inputs: Any, started: float,
            started_at: str, model_path: str, max_model_len: int, bucketer: LengthBucketer, limits_key: dict[str, Any],
-           start_limits: Any, percentile_cap: int | None) -> dict[str, Any]:
+           start_limits: Any, percentile_cap: int | None) -> RunReport:
     """Build the report from what was written, and put it (and the plot) beside the parts."""
     job, profile = config.job, config.profile
     if sink.summary is None:
@@ -227,48 +227,49 @@ def finish(config: RunConfig, sink: Any, target: OutputTarget, run_id: str, inpu
         engine_settings=engine_kwargs(model_path, profile.engine, job.sampling.seed),
         bucket_order=bucketer.names,
     )
-    report["date"] = config.date
-    report["input_files"] = {"format": inputs.format, "read": len(inputs.paths), "skipped": inputs.skipped}
+    report.date = config.date
+    report.input_files = {"format": inputs.format, "read": len(inputs.paths), "skipped": inputs.skipped}
     if job.passages is not None:
-        report["passages"] = {**job.passages.model_dump(), "documents_in": inputs.rows,
-                              "passages_out": sink.summary["rows"]}
+        report.passages = {**job.passages.model_dump(), "documents_in": inputs.rows,
+                           "passages_out": sink.summary["rows"]}
     if job.annotations is not None:
-        kinds = Counter(c.get("kind") for c in report["engine_calls"])
-        retried = sum(c.get("rows", 0) for c in report["engine_calls"] if c.get("kind") == "annotations-retry")
-        report["annotations"] = {
+        kinds = Counter(c.get("kind") for c in report.engine_calls)
+        retried = sum(c.get("rows", 0) for c in report.engine_calls if c.get("kind") == "annotations-retry")
+        report.annotations = {
             "columns": [f"{f.name}: {f.type}" for f in job.annotations.fields()],
-            "valid": report["status"].get("ok", 0), "invalid_output": report["status"].get("invalid_output", 0),
+            "valid": report.status.get("ok", 0), "invalid_output": report.status.get("invalid_output", 0),
             "retried": retried, "calls": kinds.get("annotations", 0) + kinds.get("annotations-retry", 0),
         }
-    report["length"] = {**job.length.model_dump(), "percentile_cap_tokens": percentile_cap,
-                        "truncated": sink.summary["truncated"], "chunked": sink.summary["chunked"]}
-    report["batching"]["learned_limits"] = {"path": profile.batching.learned_limits, "key": limits_key,
-                                            "started_from": start_limits}
+    report.length = {**job.length.model_dump(), "percentile_cap_tokens": percentile_cap,
+                     "truncated": sink.summary["truncated"], "chunked": sink.summary["chunked"]}
+    learned: dict[str, Any] = {"path": profile.batching.learned_limits, "key": limits_key,
+                               "started_from": start_limits}
+    report.batching["learned_limits"] = learned
     warnings = list(target.warnings)  # a lock taken over, staging left by a killed run
     if profile.batching.learned_limits and isinstance(profile.batching.policy, AdaptivePolicy):
-        limits = learned.merge_limits([a["learned"] for a in report["engine"]["actors"]])
+        limits = limits_store.merge_limits([a["learned"] for a in report.engine["actors"]])
         if limits:
             def save() -> dict[str, int]:
-                learned.save_limits(profile.batching.learned_limits, limits_key, limits)
+                limits_store.save_limits(profile.batching.learned_limits, limits_key, limits)
                 return limits
 
-            report["batching"]["learned_limits"]["saved"] = _side_step(
-                warnings, f"saving learned limits to {profile.batching.learned_limits}", save)
+            learned["saved"] = _side_step(warnings, f"saving learned limits to {profile.batching.learned_limits}",
+                                          save)
 
     def draw() -> bool:
-        png = plot_trajectories(report)
+        png = plot_trajectories(report.to_json())
         if png:
             write_beside(target.fs, target.staging.data, PLOT_NAME, png)
         return png is not None
 
     final = job.output.path.rstrip("/")
-    report["plot_path"] = f"{final}/{PLOT_NAME}" if _side_step(warnings, "drawing the batching plot", draw) else None
-    report["report_path"] = f"{final}/{REPORT_NAME}"
+    report.plot_path = f"{final}/{PLOT_NAME}" if _side_step(warnings, "drawing the batching plot", draw) else None
+    report.report_path = f"{final}/{REPORT_NAME}"
     # The output may have changed during the run: check again, and say what publishing replaces.
-    report["publish"] = target.plan()
-    if report["publish"]["backup"]:
+    report.publish = target.plan()
+    if report.publish["backup"]:
         warnings.append(f"{final} holds files this pipeline did not write: moved aside to "
-                        f"{report['publish']['backup']} (--backup-existing)")
-    report["warnings"] = warnings
+                        f"{report.publish['backup']} (--backup-existing)")
+    report.warnings = warnings
     write_report(target.fs, target.staging.data, report)
     return report

@@ -18,6 +18,7 @@ from pipeline.config.models import (
     PassagesConfig,
     ProfileConfig,
     PromptConfig,
+    RestartConfig,
     RunConfig,
     SamplingConfig,
     TunedPolicy,
@@ -27,5 +28,5 @@ __all__ = [
     "AdaptivePolicy", "AnnotationsConfig", "BatchingConfig", "ConfigDeprecationWarning", "ConfigError",
     "DebugConfig", "EngineConfig", "FixedPolicy", "HardwareConfig", "TunedPolicy",
     "InputConfig", "JobConfig", "LengthConfig", "ModelConfig", "OutputConfig", "PassagesConfig", "ProfileConfig",
-    "PromptConfig", "RunConfig", "SamplingConfig", "load_run_config", "parse_override",
+    "PromptConfig", "RestartConfig", "RunConfig", "SamplingConfig", "load_run_config", "parse_override",
 ]

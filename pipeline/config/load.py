@@ -159,8 +159,36 @@ MOVED_TO_POLICY: dict[str, tuple[str, tuple[str, ...], type[BaseModel]]] = {
 }
 
 
+# Keys that moved as they are: old dotted key -> new dotted key.
+MOVED: dict[str, str] = {
+    "engine.startup_backoff": "engine.restart.startup_backoff",
+    "engine.min_gpu_memory_utilization": "engine.restart.min_gpu_memory_utilization",
+}
+
+
 def _deprecated(message: str) -> None:
     warnings.warn(message, ConfigDeprecationWarning, stacklevel=4)
+
+
+def _migrate_moved(data: dict[str, Any], source_of: dict[str, str]) -> None:
+    """Move each key of MOVED written the old way to its new place, with a warning."""
+    for old, new in MOVED.items():
+        *old_path, old_key = old.split(".")
+        node: Any = data
+        for k in old_path:
+            node = node.get(k) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or old_key not in node:
+            continue
+        value, origin = node.pop(old_key), _source(old, source_of)
+        *new_path, new_key = new.split(".")
+        target = data
+        for k in new_path:
+            target = target.setdefault(k, {})
+            if not isinstance(target, dict):
+                raise ConfigError(f"{origin}: {'.'.join(new_path)} is not a section")
+        target[new_key] = value
+        source_of[new] = origin
+        _deprecated(f"{origin}: {old} is the old spelling; write {new}")
 
 
 def _migrate_batching(profile: dict[str, Any], source_of: dict[str, str]) -> None:
@@ -217,6 +245,7 @@ def load_run_config(
     job_src: dict[str, str] = {"": str(job_file)}
     profile_src: dict[str, str] = {"": str(profile_file)}
     _migrate_batching(profile, profile_src)  # the file first, so new-style --set keys find a section
+    _migrate_moved(profile, profile_src)
 
     for items, path in ((["input", "path"], input_path), (["output", "path"], output_path)):
         if path is not None:
@@ -237,6 +266,7 @@ def load_run_config(
             )
 
     _migrate_batching(profile, profile_src)  # then old-style --set keys
+    _migrate_moved(profile, profile_src)
     filled = _fill_date(job, date, job_src)
     job_cfg = _validate(JobConfig, job, job_src)
     profile_cfg = _validate(ProfileConfig, profile, profile_src)

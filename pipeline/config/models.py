@@ -178,7 +178,21 @@ class ModelConfig(_Section):
     )
 
 
+class RestartConfig(_Section):
+    """Not vLLM's: how this pipeline retries an engine start, or rebuilds a dead engine."""
+
+    startup_backoff: float = Field(
+        0.5, gt=0.0, lt=1.0,
+        description="On a memory failure at start-up, retry with gpu_memory_utilization times this.",
+    )
+    min_gpu_memory_utilization: float = Field(
+        0.05, gt=0.0, le=1.0, description="Give up on start-up retries below this memory fraction."
+    )
+
+
 class EngineConfig(_Section):
+    """vLLM's own settings (passed to `vllm.LLM`), and `restart`."""
+
     max_model_len: int | None = Field(None, gt=0, description="Context length; default: the model's.")
     dtype: str = Field("auto", description="Weights and activations dtype (auto, bfloat16, float16, float32).")
     gpu_memory_utilization: float = Field(
@@ -199,13 +213,8 @@ class EngineConfig(_Section):
         "so a weak model cannot pad the JSON with newlines until max tokens."
     )
     extra: dict[str, Any] = Field(default_factory=dict, description="Passed to vllm.LLM as keyword arguments.")
-    startup_backoff: float = Field(
-        0.5, gt=0.0, lt=1.0,
-        description="On a memory failure at start-up, retry with gpu_memory_utilization times this.",
-    )
-    min_gpu_memory_utilization: float = Field(
-        0.05, gt=0.0, le=1.0, description="Give up on start-up retries below this memory fraction."
-    )
+    restart: RestartConfig = Field(default_factory=lambda: RestartConfig(),
+                                   description="How an engine that runs out of memory is started again.")
 
 
 class HardwareConfig(_Section):

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from pipeline.generation.engine import Completion, Engine, EngineDead, Sampling, is_oom
@@ -99,10 +99,34 @@ class FeederTotals:
         return min(1.0, self.busy_s / (self.last_end - self.first_start))
 
 
+@dataclass(frozen=True)
+class CallRecord:
+    """What one `serve` call did, for the report: its rows, times, fill and pressure, and
+    the policy's trajectory and back-offs during it."""
+
+    bucket: str
+    rows: int
+    wall_s: float
+    busy_s: float  # time with at least one request in flight
+    step_s: float  # time inside engine steps
+    fill: float | None  # rows in flight over rows allowed, time-weighted
+    output_tokens: int
+    steps: int
+    peak_pressure: float
+    peak_kv_cache_usage: float
+    preemptions: int
+    rejected: int  # prompts the engine refused alone
+    trajectory: list[dict[str, Any]]
+    backoffs: list[dict[str, Any]]
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
 @dataclass
 class ServeResult:
     completions: dict[int, Completion]
-    record: dict[str, Any] = field(default_factory=dict)
+    record: CallRecord
 
 
 class EngineFeeder:
@@ -324,21 +348,21 @@ class _Call:
         feeder.totals.step_s += self.step_s
         feeder.totals.last_end = ended
         traj = feeder.policy.trajectory(self.bucket)
-        record = {
-            "bucket": self.bucket,
-            "rows": self.rows,
-            "wall_s": round(ended - self.started, 4),
-            "busy_s": round(self.busy_s, 4),
-            "step_s": round(self.step_s, 4),
-            "fill": round(self.filled / self.allowed, 4) if self.allowed > 0 else None,
-            "output_tokens": self.output_tokens,
-            "steps": self.steps,
-            "peak_pressure": round(self.peak_pressure, 4),
-            "peak_kv_cache_usage": round(self.peak_kv, 4),
+        record = CallRecord(
+            bucket=self.bucket,
+            rows=self.rows,
+            wall_s=round(ended - self.started, 4),
+            busy_s=round(self.busy_s, 4),
+            step_s=round(self.step_s, 4),
+            fill=round(self.filled / self.allowed, 4) if self.allowed > 0 else None,
+            output_tokens=self.output_tokens,
+            steps=self.steps,
+            peak_pressure=round(self.peak_pressure, 4),
+            peak_kv_cache_usage=round(self.peak_kv, 4),
             # Clamped: a rebuilt engine starts its counter again from 0.
-            "preemptions": max(0, feeder.preemptions() - self.preempt_start),
-            "rejected": self.rejected,
-            "trajectory": traj["steps"][self.trajectory_from:],
-            "backoffs": traj["backoffs"][self.backoffs_from:],
-        }
+            preemptions=max(0, feeder.preemptions() - self.preempt_start),
+            rejected=self.rejected,
+            trajectory=traj["steps"][self.trajectory_from:],
+            backoffs=traj["backoffs"][self.backoffs_from:],
+        )
         return ServeResult(self.results, record)

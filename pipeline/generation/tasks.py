@@ -20,9 +20,27 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.generation.engine import Completion, Sampling
-from pipeline.generation.feeder import EngineFeeder
+from pipeline.generation.feeder import CallRecord, EngineFeeder
 
 MAX_REDUCE_LEVELS = 8
+
+
+@dataclass(frozen=True)
+class EngineCall:
+    """One engine call as the report lists it: its id and kind, what the feeder measured,
+    the actor's running totals after it, and (on an actor's first call) the engine."""
+
+    call: str
+    kind: str  # rows | annotations | annotations-retry | chunk-level-N
+    record: CallRecord
+    actor: dict[str, Any]
+    engine: dict[str, Any] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out = {"call": self.call, "kind": self.kind, **self.record.to_json(), "actor": self.actor}
+        if self.engine is not None:
+            out["engine"] = self.engine
+        return out
 
 
 class EngineCalls:
@@ -38,13 +56,11 @@ class EngineCalls:
              records: list[dict[str, Any]], kind: str = "rows") -> tuple[str, dict[int, Completion]]:
         """Serve `items` (position, token ids) of one bucket; (call id, completions by position)."""
         served = self.feeder.serve(bucket, items, sampling)
-        call_id = f"{self.actor}-{self.count:05d}"
-        record = {"call": call_id, "kind": kind, **served.record, "actor": self.totals()}
-        if self.count == 0:
-            record["engine"] = self.engine_info()
+        call = EngineCall(f"{self.actor}-{self.count:05d}", kind, served.record, self.totals(),
+                          self.engine_info() if self.count == 0 else None)
         self.count += 1
-        records.append(record)
-        return call_id, served.completions
+        records.append(call.to_json())
+        return call.call, served.completions
 
 
 def summarize(calls: EngineCalls, runs: list[tuple[str, list[int]]], token_ids: list[list[int] | None],

@@ -195,7 +195,7 @@ class GenerateStage:
         values: list[dict[str, Any] | None] = [None] * n
         raw: list[str | None] = [None] * n
 
-        def settle(i: int, c: Completion) -> None:
+        def record_completion(i: int, c: Completion) -> None:
             latency[i], output_tokens[i] = c.latency_s, c.output_tokens
             if c.error is None:
                 summary[i] = c.text
@@ -208,7 +208,7 @@ class GenerateStage:
             for i, (call_id, c) in summarize(self.calls, [(bucket, members)], token_ids, self.sampling,
                                               records).items():
                 call_of[i] = call_id
-                settle(i, c)
+                record_completion(i, c)
             if self.annotations is None or self.parser is None:
                 continue
             todo = [i for i in members if status[i] == Status.OK and annotation_ids[i] is not None]
@@ -231,7 +231,7 @@ class GenerateStage:
         if chunked:
             rows = {i: batch.slice(i, 1).to_pylist()[0] for i in chunked}
             for i, c in self._summarize_chunked(rows, {i: chunk_texts[i] for i in chunked}, records).items():
-                settle(i, c)
+                record_completion(i, c)
 
         # The calls' records ride on the batch's first row, for the report.
         call_stats: list[str | None] = [None] * n

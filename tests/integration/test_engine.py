@@ -2,7 +2,7 @@
 
 import pytest
 
-from pipeline.config import EngineConfig, SamplingConfig
+from pipeline.config import EngineConfig, RestartConfig, SamplingConfig
 from pipeline.generation.feeder import EngineFeeder
 from pipeline.generation.policy import FixedBatchPolicy
 from pipeline.generation.vllm import EngineStartupError, VLLMEngine
@@ -18,7 +18,7 @@ def engine(tiny_model):
     e = VLLMEngine(vllm_settings(
         str(tiny_model),
         EngineConfig(max_model_len=512, dtype="bfloat16", gpu_memory_utilization=0.99,
-                     startup_backoff=0.2, enforce_eager=True),
+                     restart=RestartConfig(startup_backoff=0.2), enforce_eager=True),
         seed=0,
     ))
     yield e
@@ -34,7 +34,8 @@ def test_start_up_memory_failure_is_retried_with_less(engine):
 def test_start_up_gives_up_clearly_at_the_floor(tiny_model):
     with pytest.raises(EngineStartupError, match=r"tried: 0.99; floor 0.5"):
         VLLMEngine(vllm_settings(str(tiny_model), EngineConfig(max_model_len=512, gpu_memory_utilization=0.99,
-                                                               min_gpu_memory_utilization=0.5, enforce_eager=True),
+                                                               restart=RestartConfig(min_gpu_memory_utilization=0.5),
+                                                               enforce_eager=True),
                                  seed=0))
 
 
@@ -46,7 +47,7 @@ def generate(engine, batch, sampling):
     """The prompts as one call through the feeder the pipeline uses: completions in order, and the call's record."""
     served = EngineFeeder(engine, FixedBatchPolicy(len(batch))).serve("test", list(enumerate(batch)),
                                                                       sampling_of(sampling))
-    return [served.completions[i] for i in range(len(batch))], served.record
+    return [served.completions[i] for i in range(len(batch))], served.record.to_json()
 
 
 def test_one_completion_per_prompt_within_max_tokens(engine):

@@ -190,3 +190,17 @@ def test_fixed_policy_takes_per_bucket_rows():
 
 def test_unquoted_off_means_off():
     assert load_run_config(JOB, LOCAL, ["batching.bucket_grouping=off"]).profile.batching.bucket_grouping == "off"
+
+
+def test_the_restart_policy_has_its_own_section_and_the_old_keys_still_work():
+    cfg = load_run_config(JOB, LOCAL, ["engine.restart.startup_backoff=0.25"])
+    assert cfg.profile.engine.restart.startup_backoff == 0.25
+    with pytest.warns(ConfigDeprecationWarning, match="--set engine.min_gpu_memory_utilization=0.3: "
+                      "engine.min_gpu_memory_utilization is the old spelling; write "
+                      "engine.restart.min_gpu_memory_utilization"):
+        cfg = load_run_config(JOB, LOCAL, ["engine.min_gpu_memory_utilization=0.3"])
+    assert cfg.profile.engine.restart.min_gpu_memory_utilization == 0.3
+    # A bad value written the old way is named the way it was written.
+    with pytest.raises(ConfigError, match=r"--set engine.startup_backoff=2: engine.restart.startup_backoff: "
+                                          r"Input should be less than 1"):
+        load_run_config(JOB, LOCAL, ["engine.startup_backoff=2"])

@@ -28,8 +28,8 @@ def test_admits_up_to_the_budget_and_keeps_the_engine_full():
     assert sorted(out.completions) == list(range(50))
     # Never more in flight than the largest budget admitted, and the engine kept full.
     assert 10 <= engine.max_seen <= max(step.budget for step in policy.buckets["le128"].steps) // 100
-    assert out.record["rows"] == 50 and out.record["output_tokens"] == 200
-    assert out.record["busy_s"] >= out.record["step_s"] > 0
+    assert out.record.rows == 50 and out.record.output_tokens == 200
+    assert out.record.busy_s >= out.record.step_s > 0
 
 
 def test_drain_feed_waits_for_the_whole_batch():
@@ -48,7 +48,7 @@ def test_drain_feed_waits_for_the_whole_batch():
     assert [s for s in sizes if s == 0] == [0, 0, 0]
     # Stragglers leave a drained batch part-empty; continuous feeding refills it.
     continuous = EngineFeeder(FakeEngine(vary=True), FixedBatchPolicy(8)).serve("le128", rows(20), SAMPLING)
-    assert out.record["fill"] < 0.9 and continuous.record["fill"] > out.record["fill"]
+    assert out.record.fill < 0.9 and continuous.record.fill > out.record.fill
 
 
 def test_oom_requeues_the_rows_in_flight_and_halves_the_budget():
@@ -58,10 +58,10 @@ def test_oom_requeues_the_rows_in_flight_and_halves_the_budget():
     out = feeder.serve("le128", rows(40), SAMPLING)
     assert all(c.error is None for c in out.completions.values())
     assert sorted(out.completions) == list(range(40))
-    first = out.record["backoffs"][0]
+    first = out.record.backoffs[0]
     assert (first["reason"], first["from"], first["to"]) == ("oom", 2000, 1000)
     assert first["ceiling"] == 1900  # 5% under what failed
-    assert feeder.totals.oom_retries == len(out.record["backoffs"]) and len(engine.aborted) >= 16
+    assert feeder.totals.oom_retries == len(out.record.backoffs) and len(engine.aborted) >= 16
 
 
 def test_a_row_that_fails_alone_gets_an_error_and_the_rest_go_on():
@@ -78,7 +78,7 @@ def test_a_refused_prompt_is_an_error_row():
     out = EngineFeeder(engine, FixedBatchPolicy(4)).serve("le128", batch, SAMPLING)
     assert out.completions[3].error.startswith("ValueError: prompt too long")
     assert [out.completions[i].error for i in range(3)] == [None] * 3
-    assert out.record["rejected"] == 1
+    assert out.record.rejected == 1
 
 
 class PoisonEngine(FakeEngine):
@@ -109,7 +109,7 @@ def test_the_engines_own_queue_is_kept_stocked_only_when_its_row_limit_binds():
     engine.max_num_seqs = 8
     result = EngineFeeder(engine, FixedBatchPolicy(8)).serve("le128", rows(40), SAMPLING)
     assert engine.max_seen == 16 and len(result.completions) == 40  # 8 running + 8 queued
-    assert result.record["fill"] <= 1.0
+    assert result.record.fill <= 1.0
 
     engine = FakeEngine()
     engine.max_num_seqs = 8

@@ -34,7 +34,7 @@ def test_a_failing_side_step_is_a_warning_and_the_output_is_published(tmp_path, 
     if failing == "learned_limits":
         def no_room(*args):
             raise OSError(28, "No space left on device")
-        monkeypatch.setattr(runner.learned, "save_limits", no_room)
+        monkeypatch.setattr(runner.limits_store, "save_limits", no_room)
     if failing == "plot":
         def broken(report):
             raise RuntimeError("matplotlib backend unavailable")
@@ -52,9 +52,10 @@ def test_a_failing_side_step_is_a_warning_and_the_output_is_published(tmp_path, 
     sink.on_write_complete(WR())
     inputs = SimpleNamespace(rows=3, format="parquet", paths=["in.parquet"], skipped=[])
     key = {"model": "m", "hardware": "cpu:x", "max_model_len": 4096, "dtype": "bfloat16"}
-    report = runner.finish(config, sink, target, "run1", inputs, time.monotonic() - 1, "2026-11-30T00:00:00+00:00",
-                           "model", 4096, LengthBucketer(), key, {}, None)
-    report["warnings"] += target.publish()
+    typed = runner.finish(config, sink, target, "run1", inputs, time.monotonic() - 1, "2026-11-30T00:00:00+00:00",
+                          "model", 4096, LengthBucketer(), key, {}, None)
+    typed.warnings += target.publish()
+    report = typed.to_json()
     target.close()
 
     out = tmp_path / "out"

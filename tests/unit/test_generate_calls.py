@@ -30,7 +30,8 @@ def test_only_eligible_rows_are_called():
 def test_both_policies_trajectories_plot():
     """Fixed and adaptive trajectories have the same shape for the report and plot."""
     from pipeline.generation.policy import BatchSizeController, FixedBatchPolicy, Observation
-    from pipeline.plots import plot_trajectories
+    from pipeline.report_plot import plot_trajectories
+    from tests.conftest import drawn
 
     for policy in (FixedBatchPolicy(8), BatchSizeController(initial_budget_tokens=1000)):
         policy.rows_for("le128", 100)
@@ -40,4 +41,5 @@ def test_both_policies_trajectories_plot():
         report = {"job": "j", "run_id": "r", "batching": {
             "policy": "x", "memory_target": 0.9,
             "per_bucket": {"le128": {"trajectory": traj["steps"], "backoffs": traj["backoffs"]}}}}
-        assert plot_trajectories(report)[:4] == b"\x89PNG"
+        width, height, ink = drawn(plot_trajectories(report))
+        assert (width, height) == (1100, 770) and ink > 0.03  # 10 x 7 in at 110 dpi; empty axes: 0.019

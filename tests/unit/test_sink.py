@@ -7,7 +7,7 @@ import pyarrow.parquet as pq
 
 from pipeline import schema
 from pipeline.output import OutputError, OutputTarget
-from pipeline.report import write_report
+from pipeline.report import REPORT_NAME, write_beside
 from pipeline.sink import ParquetPartsSink, _block_stats, merge_stats
 
 
@@ -29,6 +29,11 @@ def block(ids, bucket, call, first_stats=None, status="ok"):
 
 
 JOB = "nightly_summarize"
+
+
+def write_json_report(fs, folder, report: dict) -> None:
+    """An earlier run's `_report.json`, as much of it as publishing reads."""
+    write_beside(fs, folder, REPORT_NAME, json.dumps(report).encode())
 
 
 class Ctx:
@@ -57,7 +62,7 @@ def test_parts_are_whole_and_stats_merge(tmp_path):
         write_returns = [r0, r1]
 
     sink.on_write_complete(WR())
-    write_report(target.fs, sink.root, {"job": JOB, "run_id": "run1", "files": sink.summary["files"]})
+    write_json_report(target.fs, sink.root, {"job": JOB, "run_id": "run1", "files": sink.summary["files"]})
     target.plan()
     target.publish()
     target.close()
@@ -106,7 +111,7 @@ def test_a_failed_run_leaves_the_previous_output_and_no_staging(tmp_path):
         if fails:
             target.discard()
         else:
-            write_report(target.fs, sink.root, {"job": JOB, "run_id": run_id, "files": [written["file"]]})
+            write_json_report(target.fs, sink.root, {"job": JOB, "run_id": run_id, "files": [written["file"]]})
             target.plan()
             target.publish()  # nothing there before: a plain rename
         target.close()
@@ -124,7 +129,7 @@ def test_a_folder_holding_other_files_is_moved_aside_never_replaced(tmp_path):
         OutputTarget(str(final), JOB, "run1").open()
     target = OutputTarget(str(final), JOB, "run1", backup_existing=True)
     target.open()
-    write_report(target.fs, target.staging.data, {"job": JOB, "run_id": "run1", "files": []})
+    write_json_report(target.fs, target.staging.data, {"job": JOB, "run_id": "run1", "files": []})
     plan = target.plan()
     target.publish()
     target.close()
