@@ -31,6 +31,7 @@ class Completion:
     finish_reason: str | None = None
     error: str | None = None
     first_token_s: float | None = None  # submit to first token, where the engine reports it
+    finished_at: float | None = None  # time.monotonic() when the feeder saw it finish
 
 
 @dataclass(frozen=True)

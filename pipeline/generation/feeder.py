@@ -33,6 +33,11 @@ from pipeline.generation.memory import MemoryProbe
 from pipeline.generation.policy.base import BatchPolicy, Observation
 
 
+class CallOutOfMemory(RuntimeError):
+    """`stop_on_oom`: the call ran out of memory; the engine is usable again, the rows in
+    flight were dropped. For measuring (pipeline tune), where an OOM is a result."""
+
+
 class InjectedOutOfMemory(MemoryError):
     """Raised by fault injection in place of torch's OutOfMemoryError."""
 
@@ -131,10 +136,13 @@ class ServeResult:
 
 class EngineFeeder:
     def __init__(self, engine: Engine, policy: BatchPolicy, feed: str = "continuous",
-                 faults: FaultInjector | None = None):
+                 faults: FaultInjector | None = None, stock_engine_queue: bool = True, stop_on_oom: bool = False):
         self.engine = engine
         self.policy = policy
         self.feed = feed
+        # Measuring wants exactly the policy's rows in flight, and an OOM as a result.
+        self.stock_engine_queue = stock_engine_queue
+        self.stop_on_oom = stop_on_oom
         self.probe = MemoryProbe(kv_gauges=lambda: self.engine.kv_gauges(), preallocated=True)
         self.faults = faults or FaultInjector()
         self.totals = FeederTotals()
@@ -245,7 +253,8 @@ class _Call:
         # replaced inside the engine at once, instead of after a round trip through
         # this process (the core idled for it: 0.73 of raw vLLM's tokens/s at 4k rows).
         cap = self.max_rows
-        if admit and not self.suspects and self.max_rows >= engine.max_num_seqs and feed == "continuous":
+        if (admit and not self.suspects and self.max_rows >= engine.max_num_seqs and feed == "continuous"
+                and self.feeder.stock_engine_queue):
             cap = self.max_rows + engine.max_num_seqs
         while admit and self.queue and len(self.in_flight) < cap and (
             not self.in_flight or self.in_flight_cost + self.queue[0].cost <= budget
@@ -278,6 +287,8 @@ class _Call:
         feeder.restore(error, list(self.in_flight))
         self.in_flight.clear()
         self.in_flight_cost = 0
+        if oom and feeder.stop_on_oom:
+            raise CallOutOfMemory(f"{type(error).__name__}: {error}") from error
         if oom:
             feeder.totals.oom_retries += 1
             feeder.close_window(self.bucket, self.window, self.tokens_per_row, oom=True)
@@ -317,7 +328,7 @@ class _Call:
             r = self.in_flight.pop(request_id)
             self.in_flight_cost -= r.cost
             self.results[r.position] = Completion(c.text, c.output_tokens, now - (r.first_submitted or now),
-                                                  c.finish_reason, first_token_s=c.first_token_s)
+                                                  c.finish_reason, first_token_s=c.first_token_s, finished_at=now)
             self.suspects.discard(r.position)
             self.output_tokens += c.output_tokens
             self.window.done += 1

@@ -4,8 +4,8 @@ The sweep runs one real engine in this process, on prompts the job's own
 prepare stage renders and tokenizes from a sample of the corpus, so what is
 measured is what `run` will send. For each length bucket and each batch size
 on a log2 grid (1, 2, 4, ... up to the engine's `max_num_seqs`), it keeps
-exactly that many requests in flight over about three waves of rows, and
-records:
+exactly that many requests in flight over about three waves of rows, through
+the same feeder `run` uses (a fixed policy; one recovery path), and records:
 
 - steady-state throughput (output tokens/s and rows/s) from the first
   completion to the last, counting what finished after the first: the first
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,9 +37,9 @@ import pyarrow as pa
 
 from pipeline import schema
 from pipeline.config import RunConfig
-from pipeline.generation.engine import Engine, Sampling, is_oom
-from pipeline.generation.feeder import restore_engine
-from pipeline.generation.memory import MemoryProbe
+from pipeline.generation.engine import Engine, Sampling
+from pipeline.generation.feeder import CallOutOfMemory, EngineFeeder
+from pipeline.generation.policy import FixedBatchPolicy
 from pipeline.generation.vllm import VLLMEngine
 from pipeline.schema import Status
 from pipeline.tune.choice import Choice, SweepPoint, choose, repeats_agree, stop_reason
@@ -76,52 +75,34 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
-def measure(engine: Engine, probe: MemoryProbe, sampling: Sampling, prompts: list[list[int]],
-            batch: int, rows: int, offset: int = 0) -> Window:
-    """Run `rows` prompts (cycling through `prompts` from `offset`) with `batch` in flight."""
-    w = Window()
-    submitted: dict[str, float] = {}
-    first_done: float | None = None
-    last_done = 0.0
-    preempt_start = engine.kv_gauges()[1]
-    next_row = 0
+def measure(engine: Engine, sampling: Sampling, prompts: list[list[int]], batch: int, rows: int,
+            offset: int = 0) -> Window:
+    """Run `rows` prompts (cycling through `prompts` from `offset`) with `batch` in flight,
+    through the feeder `run` uses, with a fixed policy: the same admission, stepping,
+    pressure readings and recovery. An out-of-memory ends the window as a result."""
+    feeder = EngineFeeder(engine, FixedBatchPolicy(batch), stock_engine_queue=False, stop_on_oom=True)
+    items = [(i, prompts[(offset + i) % len(prompts)]) for i in range(rows)]
     try:
-        while next_row < rows or submitted:
-            while next_row < rows and len(submitted) < batch:
-                rid = engine.submit(prompts[(offset + next_row) % len(prompts)], sampling)
-                submitted[rid] = time.monotonic()
-                next_row += 1
-            finished = engine.step()
-            now = time.monotonic()
-            w.peak_pressure = max(w.peak_pressure, probe.read().pressure)
-            if finished and first_done is None:
-                first_done = now  # the clock starts here: what finished in this step is warm-up
-            for rid, c in finished:
-                start = submitted.pop(rid)
-                w.latencies.append(now - start)
-                if c.first_token_s is not None:
-                    w.ttfts.append(c.first_token_s)
-                if now > first_done:
-                    w.tokens += c.output_tokens
-                    w.rows += 1
-                last_done = now
-    except Exception as e:
-        if not is_oom(e):
-            raise
-        w.oom = f"{type(e).__name__}: {e}"
-        restore_engine(engine, e, list(submitted))
-        return w
-    w.seconds = last_done - (first_done or last_done)
-    w.preemptions = max(0, engine.kv_gauges()[1] - preempt_start)
+        served = feeder.serve("tune", items, sampling)
+    except CallOutOfMemory as e:
+        return Window(oom=str(e))
+    done = sorted((c for c in served.completions.values() if c.error is None), key=lambda c: c.finished_at or 0.0)
+    w = Window(latencies=[c.latency_s for c in done], ttfts=[c.first_token_s for c in done if c.first_token_s],
+               peak_pressure=served.record.peak_pressure, preemptions=served.record.preemptions)
+    if done:
+        first = done[0].finished_at or 0.0  # the clock starts here: what finished in that step is warm-up
+        after = [c for c in done if (c.finished_at or 0.0) > first]
+        w.tokens, w.rows = sum(c.output_tokens for c in after), len(after)
+        w.seconds = (done[-1].finished_at or first) - first
     return w
 
 
-def measure_point(engine: Engine, probe: MemoryProbe, sampling: Sampling, prompts: list[list[int]],
+def measure_point(engine: Engine, sampling: Sampling, prompts: list[list[int]],
                   batch: int) -> tuple[SweepPoint, list[Window]]:
     rows = max(WAVES * batch, MIN_WINDOW_ROWS)
     windows: list[Window] = []
     while len(windows) < MAX_REPEATS:
-        w = measure(engine, probe, sampling, prompts, batch, rows, offset=len(windows) * rows)
+        w = measure(engine, sampling, prompts, batch, rows, offset=len(windows) * rows)
         windows.append(w)
         if w.oom:
             break
@@ -155,20 +136,20 @@ def grid(limit: int) -> list[int]:
     return sizes if sizes[-1] == limit else [*sizes, limit]
 
 
-def sweep_bucket(engine: Engine, probe: MemoryProbe, sampling: Sampling, prompts: list[list[int]],
+def sweep_bucket(engine: Engine, sampling: Sampling, prompts: list[list[int]],
                  max_batch: int, memory_target: float,
                  on_point: Callable[[SweepPoint], None] | None = None) -> tuple[list[SweepPoint], str | None]:
     """Measure the grid until it ends or a stop rule fires; the points, and why it stopped."""
     points: list[SweepPoint] = []
     for batch in grid(max_batch):
-        point, _ = measure_point(engine, probe, sampling, prompts, batch)
+        point, _ = measure_point(engine, sampling, prompts, batch)
         points.append(point)
         reason = stop_reason(points, memory_target)
         if reason is not None and not point.oom and point.peak_pressure < memory_target \
                 and point.spread > NOISY_SPREAD:
             # A plateau seen by a point whose windows never agreed may be noise (on a
             # busy 2-core machine one window can run 40% slow): measure it again first.
-            point, _ = measure_point(engine, probe, sampling, prompts, batch)
+            point, _ = measure_point(engine, sampling, prompts, batch)
             points[-1] = point
             reason = stop_reason(points, memory_target)
         if on_point is not None:
@@ -252,7 +233,6 @@ def run_sweep(config: RunConfig, engine: Engine, sample: dict[str, list[list[int
     from pipeline.bucketing import LengthBucketer
 
     order = LengthBucketer(config.profile.batching.bucket_boundaries).names
-    probe = MemoryProbe(kv_gauges=engine.kv_gauges, preallocated=True)
     from pipeline.plan import sampling_of
 
     sampling = sampling_of(config.job.sampling)
@@ -261,7 +241,7 @@ def run_sweep(config: RunConfig, engine: Engine, sample: dict[str, list[list[int
     results: dict[str, BucketResult] = {}
     for bucket in sorted(sample, key=order.index):
         prompts = sample[bucket]
-        points, stopped = sweep_bucket(engine, probe, sampling, prompts, limit, target,
+        points, stopped = sweep_bucket(engine, sampling, prompts, limit, target,
                                        None if on_point is None else (lambda p, b=bucket: on_point(b, p)))
         mean_tokens = statistics.mean(len(p) for p in prompts)
         try:

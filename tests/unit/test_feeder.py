@@ -120,3 +120,22 @@ def test_the_engines_own_queue_is_kept_stocked_only_when_its_row_limit_binds():
     engine.max_num_seqs = 8
     EngineFeeder(engine, FixedBatchPolicy(8), feed="drain").serve("le128", rows(40), SAMPLING)
     assert engine.max_seen == 8  # classic batches stay classic
+
+
+def test_measuring_keeps_exactly_the_policys_rows_and_stops_at_the_first_oom():
+    """What `pipeline tune` asks of the feeder: no extra rows stocked in the engine's queue,
+    and an out-of-memory as a result (the engine left usable) rather than a retry."""
+    import pytest
+
+    from pipeline.generation.feeder import CallOutOfMemory
+
+    engine = FakeEngine()
+    engine.max_num_seqs = 8
+    EngineFeeder(engine, FixedBatchPolicy(8), stock_engine_queue=False).serve("le128", rows(40), SAMPLING)
+    assert engine.max_seen == 8
+    engine = FakeEngine(oom_when_in_flight=8)
+    with pytest.raises(CallOutOfMemory, match="CUDA out of memory"):
+        EngineFeeder(engine, FixedBatchPolicy(8), stop_on_oom=True).serve("le128", rows(40), SAMPLING)
+    assert len(engine.aborted) == 8 and not engine.live
+    done = EngineFeeder(engine, FixedBatchPolicy(4), stop_on_oom=True).serve("le128", rows(8), SAMPLING)
+    assert all(c.finished_at is not None and c.error is None for c in done.completions.values())

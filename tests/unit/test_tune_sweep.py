@@ -4,8 +4,7 @@ import time
 
 import pytest
 
-from pipeline.generation.engine import Completion
-from pipeline.generation.memory import MemoryProbe
+from pipeline.generation.engine import Completion, Sampling
 from pipeline.tune.sweep import grid, measure, percentile, sweep_bucket
 
 
@@ -50,7 +49,7 @@ def test_grid_and_percentile():
 
 def test_a_window_excludes_the_first_completion_and_counts_the_rest():
     engine = FakeEngine()
-    w = measure(engine, MemoryProbe(kv_gauges=engine.kv_gauges, preallocated=True), None, [[1, 2]], batch=4, rows=12)
+    w = measure(engine, Sampling(4), [[1, 2]], batch=4, rows=12)
     # Three waves of four: the first wave's completions start the clock; 8 rows after it.
     assert w.rows == 8 and w.tokens == 32 and len(w.latencies) == 12 and w.oom is None
     assert w.peak_pressure == pytest.approx(0.04)
@@ -58,8 +57,7 @@ def test_a_window_excludes_the_first_completion_and_counts_the_rest():
 
 def test_out_of_memory_ends_the_sweep_and_is_recorded():
     engine = FakeEngine(oom_at=16)
-    probe = MemoryProbe(kv_gauges=engine.kv_gauges, preallocated=True)
-    points, stopped = sweep_bucket(engine, probe, None, [[1]], max_batch=64, memory_target=0.9)
+    points, stopped = sweep_bucket(engine, Sampling(4), [[1]], max_batch=64, memory_target=0.9)
     assert [p.batch for p in points] == [1, 2, 4, 8, 16]
     assert points[-1].oom and not any(p.oom for p in points[:-1])
     assert "out of memory" in stopped.lower() and engine.aborted
@@ -73,7 +71,7 @@ def test_a_noisy_plateau_is_measured_again_before_it_stops_the_sweep(monkeypatch
 
     calls = []
 
-    def fake_point(engine, probe, params, prompts, batch):
+    def fake_point(engine, sampling, prompts, batch):
         calls.append(batch)
         noisy = batch == 32 and calls.count(32) == 1
         tps = 600.0 if noisy else 100.0 * batch
@@ -81,6 +79,6 @@ def test_a_noisy_plateau_is_measured_again_before_it_stops_the_sweep(monkeypatch
                           peak_pressure=0.01 * batch, preemptions=0, spread=0.6 if noisy else 0.02), []
 
     monkeypatch.setattr(sweep, "measure_point", fake_point)
-    points, stopped = sweep.sweep_bucket(None, None, None, [[1]], max_batch=64, memory_target=0.9)
+    points, stopped = sweep.sweep_bucket(None, None, [[1]], max_batch=64, memory_target=0.9)
     assert calls == [1, 2, 4, 8, 16, 32, 32, 64] and stopped is None
     assert points[-2].throughput == 3200.0
