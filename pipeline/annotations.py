@@ -1,5 +1,8 @@
 """Structured annotations: a job's JSON Schema, its Arrow columns, and the model's JSON parsed into them.
 
+No engine and no I/O here: the generate stage asks the engine; this module only
+maps schemas to columns and parses text.
+
 The job gives a JSON Schema for an object; each top-level property becomes one
 typed output column (prefixed by `annotations.column_prefix`). vLLM generates
 against the schema with structured outputs, so the text is valid JSON of that

@@ -7,7 +7,7 @@ rendered and tokenized by the job's own prepare stage) and sampling:
     raw        one `LLM.generate` over all the prompts, outputs written to Parquet:
                what a user would write instead, and the ceiling
     pipeline   `pipeline run` as shipped: Ray Data read, buckets, the adaptive actor, the sink
-    no-bucket  the same with `batching.bucket_grouping: off`
+    no-bucket  the same with `bucketing.grouping: off`
     fixed-N    the same with a fixed N rows in flight instead of adaptive sizing
 
 Runs are interleaved (raw, pipeline, no-bucket, fixed..., then again) so that
@@ -149,7 +149,7 @@ def raw_vllm(corpus: str, output: str, sets: list[str], result: str) -> None:
 
 
 def pipeline_systems(fixed: list[int]) -> dict[str, list[str]]:
-    systems = {"pipeline": [], "no-bucket": ["batching.bucket_grouping=off"]}
+    systems = {"pipeline": [], "no-bucket": ["bucketing.grouping=off"]}
     for n in fixed:
         systems[f"fixed-{n}"] = [f"batching.policy={{kind: fixed, rows_per_call: {n}}}"]
     return systems

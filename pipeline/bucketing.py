@@ -1,5 +1,7 @@
 """Length buckets: rows of similar prompt length share an engine call.
 
+Pure: no Ray, no engine, no I/O.
+
 A bucket is named by its inclusive upper bound: with boundaries
 (128, 256, ...), a 128-token prompt is `le128`, a 129-token one `le256`, and a
 prompt past the last boundary `gt8192`. Bucket indexes sort in length order,

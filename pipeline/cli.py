@@ -1,4 +1,8 @@
-"""The `pipeline` command line."""
+"""The `pipeline` command line.
+
+It parses options, prints, and maps errors to exit codes; the work is the runner's.
+Nothing here imports Ray or vLLM at start-up, so `pipeline --help` stays fast.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """What to do with text too long for the model: keep part of it, or cut it into windows.
 
+Pure: no Ray, no engine, no I/O.
+
 Pure functions over token ids and character offsets; the prepare stage feeds
 them the model's own tokenization.
 

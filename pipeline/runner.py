@@ -160,7 +160,7 @@ def _generate(config: RunConfig, run_id: str, inputs: Any, out_schema: pa.Schema
     job, profile = config.job, config.profile
     model_path = resolve_model(config)
     max_model_len = context_limit(model_path, profile.engine.max_model_len)
-    bucketer = LengthBucketer(profile.batching.bucket_boundaries)
+    bucketer = LengthBucketer(profile.bucketing.boundaries)
     limits_key = limits_store.limits_key(
         profile.model.name, limits_store.hardware_id(profile.hardware.accelerator), max_model_len, profile.engine.dtype
     )
@@ -175,7 +175,7 @@ def _generate(config: RunConfig, run_id: str, inputs: Any, out_schema: pa.Schema
     if job.length.outlier_percentile is not None:
         percentile_cap = corpus_percentile_cap(config, inputs, prepare_settings(config, model_path, max_model_len))
     ds = read_and_prepare(config, inputs, prepare_settings(config, model_path, max_model_len, percentile_cap))
-    if batching.bucket_grouping == "global":
+    if profile.bucketing.grouping == "global":
         # One range partition per bucket: the engine sees each bucket's rows together.
         ds = ds.sort(schema.BUCKET_INDEX, boundaries=list(range(1, len(bucketer.names))))
     ds = ds.map_batches(

@@ -6,6 +6,7 @@ from pipeline.config.models import (
     AdaptivePolicy,
     AnnotationsConfig,
     BatchingConfig,
+    BucketingConfig,
     DebugConfig,
     EngineConfig,
     FixedPolicy,
@@ -25,7 +26,7 @@ from pipeline.config.models import (
 )
 
 __all__ = [
-    "AdaptivePolicy", "AnnotationsConfig", "BatchingConfig", "ConfigDeprecationWarning", "ConfigError",
+    "AdaptivePolicy", "AnnotationsConfig", "BatchingConfig", "BucketingConfig", "ConfigDeprecationWarning", "ConfigError",
     "DebugConfig", "EngineConfig", "FixedPolicy", "HardwareConfig", "TunedPolicy",
     "InputConfig", "JobConfig", "LengthConfig", "ModelConfig", "OutputConfig", "PassagesConfig", "ProfileConfig",
     "PromptConfig", "RestartConfig", "RunConfig", "SamplingConfig", "load_run_config", "parse_override",

@@ -163,6 +163,8 @@ MOVED_TO_POLICY: dict[str, tuple[str, tuple[str, ...], type[BaseModel]]] = {
 MOVED: dict[str, str] = {
     "engine.startup_backoff": "engine.restart.startup_backoff",
     "engine.min_gpu_memory_utilization": "engine.restart.min_gpu_memory_utilization",
+    "batching.bucket_boundaries": "bucketing.boundaries",
+    "batching.bucket_grouping": "bucketing.grouping",
 }
 
 

@@ -279,6 +279,35 @@ class TunedPolicy(_Section):
 BatchPolicyConfig = Annotated[AdaptivePolicy | FixedPolicy | TunedPolicy, Field(discriminator="kind")]
 
 
+class BucketingConfig(_Section):
+    """Prompt-length buckets: which rows may share an engine call, and how rows are grouped."""
+
+    boundaries: list[int] = Field(
+        default_factory=lambda: list(DEFAULT_BOUNDARIES),
+        description="Inclusive upper bounds of the prompt-length buckets, in tokens.",
+    )
+    grouping: Literal["global", "per_batch", "off"] = Field(
+        "global",
+        description=(
+            "global: sort the corpus by bucket so engine calls are full and never mix buckets; "
+            "per_batch: streaming, split each batch by bucket; off: no grouping (benchmark baseline)."
+        ),
+    )
+
+    @field_validator("grouping", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        # YAML 1.1 reads an unquoted `off` as false.
+        return "off" if value is False else value
+
+    @field_validator("boundaries")
+    @classmethod
+    def _boundaries_increase(cls, b: list[int]) -> list[int]:
+        if not b or any(x <= 0 for x in b) or any(x >= y for x, y in zip(b, b[1:])):
+            raise ValueError("must be positive and strictly increasing")
+        return b
+
+
 class BatchingConfig(_Section):
     policy: BatchPolicyConfig = Field(
         default_factory=AdaptivePolicy,
@@ -292,17 +321,6 @@ class BatchingConfig(_Section):
     feed: Literal["continuous", "drain"] = Field(
         "continuous",
         description="continuous: admit rows as others finish; drain: classic batches, each run to its last row.",
-    )
-    bucket_boundaries: list[int] = Field(
-        default_factory=lambda: list(DEFAULT_BOUNDARIES),
-        description="Inclusive upper bounds of the prompt-length buckets, in tokens.",
-    )
-    bucket_grouping: Literal["global", "per_batch", "off"] = Field(
-        "global",
-        description=(
-            "global: sort the corpus by bucket so engine calls are full and never mix buckets; "
-            "per_batch: streaming, split each batch by bucket; off: no grouping (benchmark baseline)."
-        ),
     )
     prepare_batch_rows: int = Field(256, gt=0, description="Rows per tokenizing batch.")
     generate_batch_rows: int = Field(
@@ -323,20 +341,6 @@ class BatchingConfig(_Section):
         return {"policy": self.policy.kind, "memory_target": self.memory_target if adaptive else None,
                 **self.policy.describe()}
 
-    @field_validator("bucket_grouping", mode="before")
-    @classmethod
-    def _yaml_off(cls, value: Any) -> Any:
-        # YAML 1.1 reads an unquoted `off` as false.
-        return "off" if value is False else value
-
-    @field_validator("bucket_boundaries")
-    @classmethod
-    def _boundaries_increase(cls, b: list[int]) -> list[int]:
-        if not b or any(x <= 0 for x in b) or any(x >= y for x, y in zip(b, b[1:])):
-            raise ValueError("must be positive and strictly increasing")
-        return b
-
-
 class DebugConfig(_Section):
     inject_oom_at_batch: int | None = Field(
         None, gt=0, description="Fault injection: an out-of-memory error in this engine batch (window), once."
@@ -350,6 +354,7 @@ class ProfileConfig(_Section):
     model: ModelConfig
     engine: EngineConfig = EngineConfig()
     hardware: HardwareConfig
+    bucketing: BucketingConfig = BucketingConfig()
     batching: BatchingConfig = BatchingConfig()
     debug: DebugConfig = DebugConfig()
 

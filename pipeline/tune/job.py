@@ -28,7 +28,7 @@ def tune_job(config: RunConfig, out: Path, sample: int = 64, buckets: tuple[str,
 
     say = on_stage or (lambda _msg: None)
     job, profile = config.job, config.profile
-    names = LengthBucketer(profile.batching.bucket_boundaries).names
+    names = LengthBucketer(profile.bucketing.boundaries).names
     unknown = sorted(set(buckets) - set(names))
     if unknown:
         raise InputError(f"--bucket {', '.join(unknown)}: no such bucket (buckets: {', '.join(names)})")

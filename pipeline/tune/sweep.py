@@ -232,7 +232,7 @@ def run_sweep(config: RunConfig, engine: Engine, sample: dict[str, list[list[int
     """Sweep every sampled bucket, shortest first, and choose a batch size for each."""
     from pipeline.bucketing import LengthBucketer
 
-    order = LengthBucketer(config.profile.batching.bucket_boundaries).names
+    order = LengthBucketer(config.profile.bucketing.boundaries).names
     from pipeline.plan import sampling_of
 
     sampling = sampling_of(config.job.sampling)

@@ -102,7 +102,7 @@ def test_fixed_batches_streaming_grouping(tiny_model, tmp_path):
         "--input", str(corpus), "--output", str(tmp_path / "out"),
         "--set", f"model.name={tiny_model}", "--set", "sampling.max_new_tokens=8",
         "--set", "batching.policy={kind: fixed, rows_per_call: 8}",
-        "--set", "batching.feed=drain", "--set", "batching.bucket_grouping=per_batch",
+        "--set", "batching.feed=drain", "--set", "bucketing.grouping=per_batch",
         "--set", "batching.generate_batch_rows=40", "--set", "batching.learned_limits=null",
     ))
     assert Counter(run.written.column("id").to_pylist()) == Counter(run.corpus.column("id").to_pylist())

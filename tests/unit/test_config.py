@@ -57,11 +57,11 @@ def test_missing_required_field(tmp_path):
 
 def test_overrides_are_typed_and_named_in_errors():
     cfg = load_run_config(
-        JOB, LOCAL, ["sampling.max_new_tokens=8", "batching.bucket_boundaries=[64, 512]",
+        JOB, LOCAL, ["sampling.max_new_tokens=8", "bucketing.boundaries=[64, 512]",
                      "engine.enforce_eager=false"], input_path="in.parquet", output_path="o",
     )
     assert cfg.job.sampling.max_new_tokens == 8
-    assert cfg.profile.batching.bucket_boundaries == [64, 512]
+    assert cfg.profile.bucketing.boundaries == [64, 512]
     assert cfg.profile.engine.enforce_eager is False
     assert (cfg.job.input.path, cfg.job.output.path) == ("in.parquet", "o")
     with pytest.raises(ConfigError, match=r"--set sampling.max_new_tokens=-1: sampling.max_new_tokens"):
@@ -189,7 +189,10 @@ def test_fixed_policy_takes_per_bucket_rows():
 
 
 def test_unquoted_off_means_off():
-    assert load_run_config(JOB, LOCAL, ["batching.bucket_grouping=off"]).profile.batching.bucket_grouping == "off"
+    assert load_run_config(JOB, LOCAL, ["bucketing.grouping=off"]).profile.bucketing.grouping == "off"
+    with pytest.warns(ConfigDeprecationWarning, match="batching.bucket_grouping is the old spelling; write "
+                                                      "bucketing.grouping"):
+        assert load_run_config(JOB, LOCAL, ["batching.bucket_grouping=off"]).profile.bucketing.grouping == "off"
 
 
 def test_the_restart_policy_has_its_own_section_and_the_old_keys_still_work():

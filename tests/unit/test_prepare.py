@@ -14,7 +14,7 @@ from tests.conftest import REPO
 def stage(tiny_model):
     cfg = load_run_config(
         REPO / "jobs/nightly_summarize.yaml", REPO / "conf/local.yaml",
-        ["batching.bucket_boundaries=[64, 96]", "sampling.max_new_tokens=16"],
+        ["bucketing.boundaries=[64, 96]", "sampling.max_new_tokens=16"],
     )
     return PrepareStage(prepare_settings(cfg, str(tiny_model), 256))
 
@@ -34,7 +34,7 @@ def test_renders_with_chat_template_and_counts_tokens(stage):
 def make_stage(tiny_model, *sets, max_model_len=256):
     cfg = load_run_config(
         REPO / "jobs/nightly_summarize.yaml", REPO / "conf/local.yaml",
-        ["batching.bucket_boundaries=[64, 96]", "sampling.max_new_tokens=16", *sets],
+        ["bucketing.boundaries=[64, 96]", "sampling.max_new_tokens=16", *sets],
     )
     return PrepareStage(prepare_settings(cfg, str(tiny_model), max_model_len))
 
