@@ -149,12 +149,9 @@ class Staging:
         marker = {**self.owner.to_json(), "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
         write_bytes(self.fs, f"{self.root}/{STAGING_MARKER}", json.dumps(marker, indent=2).encode())
 
-    def marker(self) -> Owner | None:
-        return read_marker(self.fs, self.root)
-
     def remove(self) -> bool:
         """Delete the staging if its marker names this run; False (and nothing deleted) otherwise."""
-        mark = self.marker()
+        mark = read_marker(self.fs, self.root)
         if mark is None or mark.run_id != self.owner.run_id:
             log.warning("not removing %s: its marker does not name run %s", self.root, self.owner.run_id)
             return False

@@ -78,16 +78,17 @@ def prepare_settings(config: RunConfig, model_path: str, max_model_len: int,
     )
 
 
-def generate_settings(config: RunConfig, model_path: str, max_model_len: int, run_id: str,
-                      cap_tokens: int | None = None) -> GenerateSettings:
+def generate_settings(config: RunConfig, prepare: PrepareSettings, run_id: str) -> GenerateSettings:
+    """The generate stage's settings; `prepare` is what the prepare stage ran with (map-reduce
+    renders its prompts the same way), and names the model."""
     job, profile = config.job, config.profile
     batching, annotations = profile.batching, job.annotations
     return GenerateSettings(
         run_id=run_id,
         model_name=profile.model.name,
-        engine=vllm_settings(model_path, profile.engine, job.sampling.seed),
+        engine=vllm_settings(prepare.model_path, profile.engine, job.sampling.seed),
         sampling=sampling_of(job.sampling),
-        prepare=prepare_settings(config, model_path, max_model_len, cap_tokens),
+        prepare=prepare,
         policy=batching.policy,
         memory_target=batching.memory_target,
         feed=batching.feed,

@@ -17,8 +17,9 @@ import os
 import time
 import uuid
 from collections import Counter
-from datetime import datetime, timezone
 from collections.abc import Callable
+from dataclasses import replace
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +31,9 @@ from pipeline.bucketing import LengthBucketer
 from pipeline.config import AdaptivePolicy, RunConfig
 from pipeline.inputs import InputError, check_inputs, duplicate_ids
 from pipeline.output import OutputTarget, PublishError
-from pipeline.report_plot import plot_trajectories
-from pipeline.report import REPORT_NAME, RunReport, build_report, write_beside, write_report
 from pipeline.plan import engine_kwargs, generate_settings, prepare_settings
+from pipeline.report import REPORT_NAME, RunReport, build_report, write_beside, write_report
+from pipeline.report_plot import plot_trajectories
 from pipeline.stages.prepare import PrepareSettings, context_limit
 
 log = logging.getLogger(__name__)
@@ -171,17 +172,19 @@ def _generate(config: RunConfig, run_id: str, inputs: Any, out_schema: pa.Schema
     # 3. The dataset: nothing runs until the write pulls it.
     init_ray(config)
     hw, batching = profile.hardware, profile.batching
+    prepare = prepare_settings(config, model_path, max_model_len)
     percentile_cap = None
     if job.length.outlier_percentile is not None:
-        percentile_cap = corpus_percentile_cap(config, inputs, prepare_settings(config, model_path, max_model_len))
-    ds = read_and_prepare(config, inputs, prepare_settings(config, model_path, max_model_len, percentile_cap))
+        percentile_cap = corpus_percentile_cap(config, inputs, prepare)
+        prepare = replace(prepare, cap_tokens=percentile_cap)
+    ds = read_and_prepare(config, inputs, prepare)
     if profile.bucketing.grouping == "global":
         # One range partition per bucket: the engine sees each bucket's rows together.
         ds = ds.sort(schema.BUCKET_INDEX, boundaries=list(range(1, len(bucketer.names))))
     ds = ds.map_batches(
         GenerateStage,
         fn_constructor_kwargs={
-            "settings": generate_settings(config, model_path, max_model_len, run_id, percentile_cap),
+            "settings": generate_settings(config, prepare, run_id),
             "learned": start_limits,
         },
         batch_size=batching.generate_batch_rows,
@@ -257,7 +260,7 @@ def finish(config: RunConfig, sink: Any, target: OutputTarget, run_id: str, inpu
                                           save)
 
     def draw() -> bool:
-        png = plot_trajectories(report.to_json())
+        png = plot_trajectories({"job": report.job, "run_id": report.run_id, "batching": report.batching})
         if png:
             write_beside(target.fs, target.staging.data, PLOT_NAME, png)
         return png is not None

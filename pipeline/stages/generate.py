@@ -128,6 +128,8 @@ class GenerateStage:
         self.prep: PrepareStage | None = None  # tokenizer for map-reduce prompts, loaded on first need
         self.annotations = settings.annotations
         self.parser = None if self.annotations is None else AnnotationParser(self.annotations.json_schema)
+        self.annotation_sampling = None if self.annotations is None else self.sampling.with_room(
+            self.annotations.max_new_tokens, self.annotations.json_schema)
 
     def engine_info(self) -> dict[str, Any]:
         return {
@@ -173,10 +175,7 @@ class GenerateStage:
             spans = windows(offsets, text, room, min(self.settings.chunk_overlap, room // 4))
             return [text[a:b] for a, b in (char_span(offsets, s, e) for s, e in spans)]
 
-        def bucket_of(tokens: int) -> str:
-            return self.bucketer.names[self.bucketer.index(tokens)]
-
-        return map_reduce(self.calls, pieces, encode, split, bucket_of, self.sampling, records)
+        return map_reduce(self.calls, pieces, encode, split, self.bucketer.name, self.sampling, records)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         n = batch.num_rows
@@ -209,11 +208,10 @@ class GenerateStage:
                                               records).items():
                 call_of[i] = call_id
                 record_completion(i, c)
-            if self.annotations is None or self.parser is None:
+            if self.annotations is None or self.parser is None or self.annotation_sampling is None:
                 continue
             todo = [i for i in members if status[i] == Status.OK and annotation_ids[i] is not None]
-            sampling = self.sampling.with_room(self.annotations.max_new_tokens, self.annotations.json_schema)
-            done = annotate(self.calls, bucket, todo, annotation_ids, sampling, self.parser.parse,
+            done = annotate(self.calls, bucket, todo, annotation_ids, self.annotation_sampling, self.parser.parse,
                             self.annotations.retry_max_new_tokens, self.engine.max_model_len, records)
             for i, a in done.items():
                 c, value, invalid = a.completion, a.value, a.invalid

@@ -27,7 +27,7 @@ def stages(tiny_model, job, sets, engine, max_model_len=2048):
     config = load_run_config(REPO / job, REPO / "conf/local.yaml", ["batching.learned_limits=null", *sets])
     prepare = PrepareStage(prepare_settings(config, str(tiny_model), max_model_len))
     engine.max_model_len = max_model_len
-    return prepare, GenerateStage(generate_settings(config, str(tiny_model), max_model_len, "run1"), engine=engine)
+    return prepare, GenerateStage(generate_settings(config, prepare.settings, "run1"), engine=engine)
 
 
 def kb_reply(ids, sampling):
