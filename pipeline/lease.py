@@ -119,7 +119,7 @@ class Lease:
 
 
 class OutputLease:
-    """Hold the lease of one output for one run: `acquire`, then `release` (or use `with`)."""
+    """Hold the lease of one output for one run: `acquire`, then `release`."""
 
     def __init__(self, fs: pafs.FileSystem, output: str, owner: Owner, lease_s: float = LEASE_S):
         self.fs, self.output, self.owner, self.lease_s = fs, output, owner, lease_s
@@ -274,10 +274,3 @@ class OutputLease:
                 self.fs.delete_file(self.path)
         except OSError as e:
             log.warning("could not remove the lock %s: %s (it expires by itself)", self.path, e)
-
-    def __enter__(self) -> OutputLease:
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.release()

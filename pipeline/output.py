@@ -246,7 +246,7 @@ class OutputTarget:
         self.path = self.path.rstrip("/") or "/"
         self.output, self.job, self.backup_existing = output, job, backup_existing
         self.local = is_local(self.fs)
-        head, base = split(self.path)
+        base = split(self.path)[1]
         if not base or base in (".", ".."):
             raise OutputError(f"{output}: an output needs a folder of its own, not the root of a filesystem")
         self.owner = Owner.this_process(run_id, job)
@@ -305,24 +305,21 @@ class OutputTarget:
                                f"{self._kept()}")
         warned = len(self.warnings)
         try:
+            if backup is not None:  # a foreign output, and --backup-existing
+                _move_tree(self.fs, self.path, backup)
             if self.local:
-                self._publish_local(found, backup)
+                self._publish_local(found)
             else:
-                self._publish_object_store(found, backup)
+                self._publish_object_store(found)
         except OSError as e:
             raise PublishError(f"{self.path}: publishing failed ({e}). {self._kept()}") from e
         self.staging.remove()
         return self.warnings[warned:]
 
-    def _publish_local(self, found: Survey, backup: str | None) -> None:
+    def _publish_local(self, found: Survey) -> None:
         data, final = self.staging.data, self.path
-        if found.state == "absent":
+        if found.state in ("absent", "foreign"):  # a foreign output was moved aside already
             os.makedirs(split(final)[0] or "/", exist_ok=True)
-            os.rename(data, final)
-            return
-        if found.state == "foreign":
-            assert backup is not None
-            os.rename(final, backup)
             os.rename(data, final)
             return
         # Ours (or empty): swap, then clear what was swapped out, file by listed file.
@@ -341,11 +338,8 @@ class OutputTarget:
             os.rename(old, keep)
             self.warnings.append(f"{final}: entries that appeared while publishing were moved aside to {keep}")
 
-    def _publish_object_store(self, found: Survey, backup: str | None) -> None:
+    def _publish_object_store(self, found: Survey) -> None:
         fs, data, final = self.fs, self.staging.data, self.path
-        if found.state == "foreign":
-            assert backup is not None
-            _move_tree(fs, final, backup)
         mine = sorted((e.base_name for e in fs.get_file_info(pafs.FileSelector(data)) if e.type == pafs.FileType.File),
                       key=lambda n: (n == REPORT_NAME, n))  # the report last: its presence means complete
         fs.create_dir(final, recursive=True)

@@ -233,6 +233,12 @@ def _migrate_batching(profile: dict[str, Any], source_of: dict[str, str]) -> Non
                     f"not {kind}: ignored (write it as batching.policy.{new} with that policy)")
 
 
+def _migrate(profile: dict[str, Any], source_of: dict[str, str]) -> None:
+    """Every old spelling of a profile key, read into the new one (idempotent)."""
+    _migrate_batching(profile, source_of)
+    _migrate_moved(profile, source_of)
+
+
 def load_run_config(
     job_file: str | Path,
     profile_file: str | Path,
@@ -246,8 +252,7 @@ def load_run_config(
     job, profile = _read_yaml(job_file), _read_yaml(profile_file)
     job_src: dict[str, str] = {"": str(job_file)}
     profile_src: dict[str, str] = {"": str(profile_file)}
-    _migrate_batching(profile, profile_src)  # the file first, so new-style --set keys find a section
-    _migrate_moved(profile, profile_src)
+    _migrate(profile, profile_src)  # the file first, so new-style --set keys find their sections
 
     for items, path in ((["input", "path"], input_path), (["output", "path"], output_path)):
         if path is not None:
@@ -267,8 +272,7 @@ def load_run_config(
                 f"{', '.join(sorted(JOB_SECTIONS))}; profile sections: {', '.join(sorted(PROFILE_SECTIONS))}"
             )
 
-    _migrate_batching(profile, profile_src)  # then old-style --set keys
-    _migrate_moved(profile, profile_src)
+    _migrate(profile, profile_src)  # then old-style --set keys
     filled = _fill_date(job, date, job_src)
     job_cfg = _validate(JobConfig, job, job_src)
     profile_cfg = _validate(ProfileConfig, profile, profile_src)
