@@ -16,13 +16,18 @@ Any other failure of a step is blamed on one request: the rows in flight are
 retried in halves (bisection) until the culprit runs alone. A row that fails
 alone gets an error; no row is ever dropped.
 
-One call (`serve`) is a `_Call`: admission, one engine step, recovery,
-completions and pressure are its separate methods, and the loop in `serve`
-reads as those steps in order.
+Several calls may be open at once, from several threads (the generate stage
+runs a few Ray Data batches per actor at a time). They share the engine
+oldest first: the next call's rows take the room the last wave of the one
+before leaves, so a block boundary, or a bucket boundary, costs no drain.
+Each call (`serve`) is a `_Call` with its own rows, window and record;
+admission, one engine step, recovery and completions are the feeder's
+separate methods, and the loop in `_drive` reads as those steps in order.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
@@ -97,6 +102,10 @@ class FeederTotals:
     windows: int = 0
     oom_retries: int = 0
     bisections: int = 0
+    calls: int = 0
+    rows: int = 0
+    output_tokens: int = 0
+    serving_s: float = 0.0  # time with at least one call waiting on this engine; the rest waited for input
 
     def busy_fraction(self) -> float | None:
         if self.first_start is None or self.last_end is None or self.last_end <= self.first_start:
@@ -123,6 +132,7 @@ class CallRecord:
     rejected: int  # prompts the engine refused alone
     trajectory: list[dict[str, Any]]
     backoffs: list[dict[str, Any]]
+    started_at: float | None = None  # Unix time the engine began serving the call
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -135,6 +145,14 @@ class ServeResult:
 
 
 class EngineFeeder:
+    """Keeps one engine fed. `serve` may be called from several threads at once (the
+    generate stage runs a few Ray Data batches per actor concurrently): the calls share
+    the engine, oldest first, and one calling thread at a time drives it. When the
+    oldest call has admitted its last row, the next call's rows fill the room its
+    finishing rows leave, so consecutive blocks of a bucket, and the first rows of the
+    next bucket, keep the engine full instead of costing a drain and a part-full start
+    each. Each call still sees only its own rows: an engine call stays bucket-pure."""
+
     def __init__(self, engine: Engine, policy: BatchPolicy, feed: str = "continuous",
                  faults: FaultInjector | None = None, stock_engine_queue: bool = True, stop_on_oom: bool = False):
         self.engine = engine
@@ -146,6 +164,17 @@ class EngineFeeder:
         self.probe = MemoryProbe(kv_gauges=lambda: self.engine.kv_gauges(), preallocated=True)
         self.faults = faults or FaultInjector()
         self.totals = FeederTotals()
+        self._cv = threading.Condition()
+        self._calls: list[_Call] = []  # open calls, oldest first
+        self._driving = False
+        self._serving_since: float | None = None
+        # Shared by the open calls: what the engine is running, and its cost in tokens.
+        self.in_flight: dict[str, tuple[_Call, Request]] = {}
+        self.in_flight_cost = 0
+        self._mark = time.monotonic()  # since when requests have been in flight
+        # Each policy step and preemption goes to the report once, with the call that ends next.
+        self._trajectory_seen: dict[str, tuple[int, int]] = {}
+        self._preemptions_seen: int | None = None
 
     def preemptions(self) -> int:
         return self.engine.kv_gauges()[1]
@@ -153,23 +182,164 @@ class EngineFeeder:
     def serve(self, bucket: str, rows: list[tuple[int, list[int]]], sampling: Sampling) -> ServeResult:
         """Generate for `rows` (position, prompt token ids), all of one bucket, with `sampling`."""
         call = _Call(self, bucket, rows, sampling)
-        while call.queue or call.in_flight:
-            call.admit()
-            if not call.in_flight:
-                call.mark = time.monotonic()
+        with self._cv:
+            if not self._calls:
+                self._serving_since = time.monotonic()
+            self._calls.append(call)
+            while not call.done and self._driving:
+                self._cv.wait()
+            drive = not call.done
+            self._driving = self._driving or drive
+        if drive:
+            try:
+                self._drive(call)
+            except BaseException as e:
+                self._fail_open_calls(e)
+                raise
+            finally:
+                with self._cv:
+                    self._driving = False
+                    self._cv.notify_all()
+        if call.failure is not None:
+            raise call.failure
+        assert call.outcome is not None
+        return call.outcome
+
+    def _drive(self, mine: _Call) -> None:
+        """Step the engine for every open call until `mine` is done."""
+        while not mine.done:
+            with self._cv:
+                calls = list(self._calls)
+            self._admit(calls)
+            if not self.in_flight:
+                self._mark = time.monotonic()
+                self._finish(calls)
                 continue
             step_start = time.monotonic()
             try:
-                self.faults.check(call.window.number, self.engine)
+                self.faults.check(self.totals.windows, self.engine)
                 finished = self.engine.step()
             except Exception as e:
-                call.recover(e)
+                self._recover(e, calls)
                 continue
-            call.stepped(step_start)
-            call.complete(finished)
-            call.read_pressure()
-            call.close_window_if_done()
-        return call.result()
+            self._stepped(step_start, calls)
+            self._complete(finished)
+            reading = self.probe.read()  # after every step: KV usage reads 0 once requests finish
+            for c in calls:
+                c.read_pressure(reading.pressure, reading.kv_cache or 0.0)
+                c.close_window_if_done()
+            self._finish(calls)
+
+    # 1. Admission: the oldest call first --------------------------------------------
+
+    def _admit(self, calls: list[_Call]) -> None:
+        for c in calls:
+            c.begin()
+        idle = not self.in_flight
+        bisecting = [c for c in calls if c.suspects][:1]
+        for c in bisecting or calls:
+            if not c.admit():
+                break  # its next row does not fit: later calls wait their turn
+        if idle:
+            self._mark = time.monotonic()  # busy from the first row in, not from the last call out
+        waiting = any(c.queue for c in calls)
+        for c in calls:
+            if not waiting and len(self.in_flight) < c.max_rows and c.window is not None:
+                c.window.drained = True
+
+    # 2. Recovery from a failed step ----------------------------------------------------
+
+    def _recover(self, error: Exception, calls: list[_Call]) -> None:
+        """An out-of-memory puts the rows in flight back and shrinks the budget; any other
+        failure bisects them, until a row that fails alone gets the error."""
+        oom = is_oom(error)
+        victims = sorted(self.in_flight.values(), key=lambda v: v[1].position)
+        self.restore(error, list(self.in_flight))
+        self.in_flight.clear()
+        self.in_flight_cost = 0
+        for c in calls:
+            c.in_flight = 0
+        if oom and self.stop_on_oom:
+            raise CallOutOfMemory(f"{type(error).__name__}: {error}") from error
+        affected = [c for c in calls if any(v[0] is c for v in victims)]
+        if oom:
+            self.totals.oom_retries += 1
+            halved: set[str] = set()
+            for c in affected:  # one back-off per bucket, however many calls it has open
+                if c.bucket not in halved and c.window is not None:
+                    self.close_window(c.bucket, c.window, c.tokens_per_row, oom=True)
+                    halved.add(c.bucket)
+        else:
+            # One request may be poisoning the engine: retry in halves until it runs alone.
+            self.totals.bisections += 1
+        for c in affected:
+            mine = [r for call, r in victims if call is c]
+            if not oom:
+                c.suspects = {r.position for r in mine}
+                c.isolate = max(1, len(mine) // 2)
+            if len(victims) == 1:
+                c.fail_alone(mine[0], oom, error)
+            else:
+                c.queue.extendleft(reversed(mine))
+            c.window = self.open_window(c.bucket, c.tokens_per_row)
+        self._mark = time.monotonic()  # recovery time is not busy time
+
+    def restore(self, error: Exception, request_ids: list[str]) -> None:
+        """Make the engine usable again after a failed step."""
+        if restore_engine(self.engine, error, request_ids):
+            self.policy.limit_rows(self.engine.max_num_seqs)
+
+    # 3. A step that went through ---------------------------------------------------------
+
+    def _stepped(self, step_start: float, calls: list[_Call]) -> None:
+        now = time.monotonic()
+        step, busy = now - step_start, now - self._mark
+        self.totals.step_s += step
+        self.totals.busy_s += busy
+        total, queued = len(self.in_flight), sum(len(c.queue) for c in calls)
+        for c in calls:
+            if c.in_flight:
+                c.stepped(step, busy, total, queued)
+        self._mark = now
+
+    def _complete(self, finished: list[tuple[str, Completion]]) -> None:
+        """Completions free their share of the budget."""
+        now = time.monotonic()
+        for request_id, c in finished:
+            call, r = self.in_flight.pop(request_id)
+            self.in_flight_cost -= r.cost
+            call.completed(r, c, now)
+
+    # 4. Calls that are done ------------------------------------------------------------
+
+    def _finish(self, calls: list[_Call]) -> None:
+        ended = [c for c in calls if not c.queue and not c.in_flight and c.started is not None]
+        if not ended:
+            return
+        for c in ended:
+            c.outcome = c.result()
+        with self._cv:
+            for c in ended:
+                self._calls.remove(c)
+                c.done = True
+            if not self._calls and self._serving_since is not None:
+                self.totals.serving_s += time.monotonic() - self._serving_since
+                self._serving_since = None
+            self._cv.notify_all()
+
+    def _fail_open_calls(self, error: BaseException) -> None:
+        """The driver failed outside any one row (an engine that cannot be rebuilt): every
+        open call fails with it, rather than waiting for a driver that is gone."""
+        with self._cv:
+            for c in self._calls:
+                if not c.done:
+                    c.failure, c.done = error, True
+            self._calls.clear()
+            self.in_flight.clear()
+            self.in_flight_cost = 0
+            self._cv.notify_all()
+
+    # Windows and what goes to the report -----------------------------------------------
 
     def open_window(self, bucket: str, tokens_per_row: float) -> _Window:
         self.totals.windows += 1
@@ -189,10 +359,17 @@ class EngineFeeder:
             drained=w.drained,
         ))
 
-    def restore(self, error: Exception, request_ids: list[str]) -> None:
-        """Make the engine usable again after a failed step."""
-        if restore_engine(self.engine, error, request_ids):
-            self.policy.limit_rows(self.engine.max_num_seqs)
+    def unreported(self, bucket: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
+        """The policy's steps and back-offs for `bucket`, and the preemptions, that no
+        earlier call has reported."""
+        traj = self.policy.trajectory(bucket)
+        steps_from, backoffs_from = self._trajectory_seen.get(bucket, (0, 0))
+        self._trajectory_seen[bucket] = (len(traj["steps"]), len(traj["backoffs"]))
+        now = self.preemptions()
+        # Clamped: a rebuilt engine starts its counter again from 0.
+        seen = now if self._preemptions_seen is None or self._preemptions_seen > now else self._preemptions_seen
+        self._preemptions_seen = now
+        return traj["steps"][steps_from:], traj["backoffs"][backoffs_from:], now - seen
 
 
 def restore_engine(engine: Engine, error: Exception, request_ids: list[str]) -> bool:
@@ -206,21 +383,17 @@ def restore_engine(engine: Engine, error: Exception, request_ids: list[str]) -> 
 
 
 class _Call:
-    """The state of one `serve` call: its queue, what is in flight, its measurements."""
+    """One `serve` call: its queue, its rows in flight, its measurements. The feeder's
+    driving thread alone touches it after `begin`."""
 
     def __init__(self, feeder: EngineFeeder, bucket: str, rows: list[tuple[int, list[int]]], sampling: Sampling):
         self.feeder, self.bucket, self.sampling = feeder, bucket, sampling
-        self.started = time.monotonic()
-        totals = feeder.totals
-        if totals.first_start is None:
-            totals.first_start = self.started
         self.rows = len(rows)
         self.queue: deque[Request] = deque(
             Request(pos, ids, len(ids) + sampling.max_new_tokens) for pos, ids in rows)
         self.tokens_per_row = sum(r.cost for r in self.queue) / max(len(self.queue), 1)
         self.results: dict[int, Completion] = {}
-        self.in_flight: dict[str, Request] = {}
-        self.in_flight_cost = 0
+        self.in_flight = 0  # this call's rows among the feeder's
         self.steps = self.output_tokens = self.rejected = 0
         self.busy_s = self.step_s = 0.0
         # Fill: rows in flight over rows allowed, weighted by time. It is what
@@ -228,141 +401,121 @@ class _Call:
         # the engine "busy" at a fraction of its batch.
         self.filled = self.allowed = 0.0
         self.peak_pressure = self.peak_kv = 0.0
-        self.preempt_start = feeder.preemptions()
-        before = feeder.policy.trajectory(bucket)
-        self.trajectory_from, self.backoffs_from = len(before["steps"]), len(before["backoffs"])
-        self.window = feeder.open_window(bucket, self.tokens_per_row)
-        self.mark = time.monotonic()  # since when requests have been in flight
-        self.suspects: set[int] = set()  # rows of a call that failed, being bisected
+        self.started: float | None = None
+        self.window: _Window | None = None
+        self.suspects: set[int] = set()  # rows of a failed step, being bisected
         self.isolate = 0
         self.max_rows = 1
+        self.done = False
+        self.outcome: ServeResult | None = None
+        self.failure: BaseException | None = None
 
-    # 1. Admission ------------------------------------------------------------------
+    def begin(self) -> None:
+        """The first time the driver sees this call: its clock and first window start."""
+        if self.started is not None:
+            return
+        self.started = time.monotonic()
+        totals = self.feeder.totals
+        if totals.first_start is None:
+            totals.first_start = self.started
+        self.window = self.feeder.open_window(self.bucket, self.tokens_per_row)
 
-    def admit(self) -> None:
-        """Submit rows while the budget allows (always at least one in flight)."""
-        policy, engine, feed = self.feeder.policy, self.feeder.engine, self.feeder.feed
+    def admit(self) -> bool:
+        """Submit rows while the budget allows (always at least one in flight). True when
+        none of this call's rows is left waiting."""
+        feeder = self.feeder
+        policy, engine = feeder.policy, feeder.engine
         budget = policy.budget(self.bucket, self.tokens_per_row)
         self.max_rows = policy.rows_for(self.bucket, self.tokens_per_row)
-        if self.suspects:  # bisecting a failed call: at most half the last failing group
+        if self.suspects:  # bisecting a failed step: at most half the last failing group
             self.max_rows = min(self.max_rows, self.isolate)
-        admit = feed == "continuous" or not self.in_flight
+        admit = feeder.feed == "continuous" or not feeder.in_flight
         # The engine runs at most max_num_seqs requests at once and queues the rest
         # itself. When that limit, not the policy's token budget, is what binds, keep
         # its queue stocked with up to as many again: a wave of completions is then
         # replaced inside the engine at once, instead of after a round trip through
         # this process (the core idled for it: 0.73 of raw vLLM's tokens/s at 4k rows).
         cap = self.max_rows
-        if (admit and not self.suspects and self.max_rows >= engine.max_num_seqs and feed == "continuous"
-                and self.feeder.stock_engine_queue):
+        if (admit and not self.suspects and self.max_rows >= engine.max_num_seqs and feeder.feed == "continuous"
+                and feeder.stock_engine_queue):
             cap = self.max_rows + engine.max_num_seqs
-        while admit and self.queue and len(self.in_flight) < cap and (
-            not self.in_flight or self.in_flight_cost + self.queue[0].cost <= budget
+        while admit and self.queue and len(feeder.in_flight) < cap and (
+            not feeder.in_flight or feeder.in_flight_cost + self.queue[0].cost <= budget
         ):
             self._submit(self.queue.popleft())
-        if not self.queue and len(self.in_flight) < self.max_rows:
-            self.window.drained = True
+        return not self.queue
 
     def _submit(self, r: Request) -> None:
         now = time.monotonic()
+        feeder = self.feeder
         try:
-            request_id = self.feeder.engine.submit(r.ids, self.sampling)
+            request_id = feeder.engine.submit(r.ids, self.sampling)
         except Exception as e:  # the engine refused this prompt alone
             self.results[r.position] = Completion(None, 0, 0.0, error=f"{type(e).__name__}: {e}")
             self.rejected += 1
             return
         if r.first_submitted is None:
             r.first_submitted = now
-        self.in_flight[request_id] = r
-        self.in_flight_cost += r.cost
+        feeder.in_flight[request_id] = (self, r)
+        feeder.in_flight_cost += r.cost
+        self.in_flight += 1
 
-    # 2. Recovery from a failed step ---------------------------------------------------
+    def fail_alone(self, r: Request, oom: bool, error: Exception) -> None:
+        reason = "out of memory with this row alone in the engine" if oom else "the engine failed on this row alone"
+        self.results[r.position] = Completion(
+            None, 0, time.monotonic() - (r.first_submitted or self.started or time.monotonic()),
+            error=f"{reason}: {type(error).__name__}: {error}",
+        )
+        self.suspects.discard(r.position)
 
-    def recover(self, error: Exception) -> None:
-        """An out-of-memory puts the rows in flight back and shrinks the budget; any other
-        failure bisects them, until a row that fails alone gets the error."""
-        feeder = self.feeder
-        oom = is_oom(error)
-        victims = sorted(self.in_flight.values(), key=lambda r: r.position)
-        feeder.restore(error, list(self.in_flight))
-        self.in_flight.clear()
-        self.in_flight_cost = 0
-        if oom and feeder.stop_on_oom:
-            raise CallOutOfMemory(f"{type(error).__name__}: {error}") from error
-        if oom:
-            feeder.totals.oom_retries += 1
-            feeder.close_window(self.bucket, self.window, self.tokens_per_row, oom=True)
-        else:
-            # One request may be poisoning the call: retry in halves until it runs alone.
-            feeder.totals.bisections += 1
-            self.suspects = {v.position for v in victims}
-            self.isolate = max(1, len(victims) // 2)
-        if len(victims) == 1:
-            v = victims[0]
-            reason = "out of memory with this row alone in the engine" if oom else "the engine failed on this row alone"
-            self.results[v.position] = Completion(
-                None, 0, time.monotonic() - (v.first_submitted or self.started),
-                error=f"{reason}: {type(error).__name__}: {error}",
-            )
-            self.suspects.discard(v.position)
-        else:
-            self.queue.extendleft(reversed(victims))
-        self.window = feeder.open_window(self.bucket, self.tokens_per_row)
-        self.mark = time.monotonic()  # recovery time is not busy time
-
-    # 3. A step that went through --------------------------------------------------------
-
-    def stepped(self, step_start: float) -> None:
-        now = time.monotonic()
-        self.step_s += now - step_start
-        self.busy_s += now - self.mark
-        self.filled += min(len(self.in_flight), self.max_rows) * (now - self.mark)
-        self.allowed += min(self.max_rows, len(self.in_flight) + len(self.queue)) * (now - self.mark)
-        self.mark = now
+    def stepped(self, step: float, busy: float, in_flight: int, queued: int) -> None:
+        self.step_s += step
+        self.busy_s += busy
+        self.filled += min(in_flight, self.max_rows) * busy
+        self.allowed += min(self.max_rows, in_flight + queued) * busy
         self.steps += 1
 
-    def complete(self, finished: list[tuple[str, Completion]]) -> None:
-        """Completions free their share of the budget."""
-        now = time.monotonic()
-        for request_id, c in finished:
-            r = self.in_flight.pop(request_id)
-            self.in_flight_cost -= r.cost
-            self.results[r.position] = Completion(c.text, c.output_tokens, now - (r.first_submitted or now),
-                                                  c.finish_reason, first_token_s=c.first_token_s, finished_at=now)
-            self.suspects.discard(r.position)
-            self.output_tokens += c.output_tokens
+    def completed(self, r: Request, c: Completion, now: float) -> None:
+        self.in_flight -= 1
+        self.results[r.position] = Completion(c.text, c.output_tokens, now - (r.first_submitted or now),
+                                              c.finish_reason, first_token_s=c.first_token_s, finished_at=now)
+        self.suspects.discard(r.position)
+        self.output_tokens += c.output_tokens
+        if self.window is not None:
             self.window.done += 1
             self.window.output_tokens += c.output_tokens
             self.window.cost += r.cost
 
-    def read_pressure(self) -> None:
-        """Read after every step: KV usage reads 0 once requests finish."""
-        reading = self.feeder.probe.read()
-        self.window.peak_pressure = max(self.window.peak_pressure, reading.pressure)
-        self.peak_pressure = max(self.peak_pressure, reading.pressure)
-        self.peak_kv = max(self.peak_kv, reading.kv_cache or 0.0)
+    def read_pressure(self, pressure: float, kv_cache: float) -> None:
+        if self.window is None or not (self.in_flight or self.window.done):
+            return
+        self.window.peak_pressure = max(self.window.peak_pressure, pressure)
+        self.peak_pressure = max(self.peak_pressure, pressure)
+        self.peak_kv = max(self.peak_kv, kv_cache)
 
     def close_window_if_done(self) -> None:
         """A window closes once it has completed the rows it admitted."""
         w = self.window
-        if w.done >= w.rows_target or not (self.queue or self.in_flight):
-            self.feeder.close_window(self.bucket, w, w.cost / max(w.done, 1))
-            if self.queue or self.in_flight:
-                self.window = self.feeder.open_window(self.bucket, self.tokens_per_row)
-
-    # 4. What the call did --------------------------------------------------------------
+        if w is None or not (w.done >= w.rows_target or not (self.queue or self.in_flight)):
+            return
+        self.feeder.close_window(self.bucket, w, w.cost / max(w.done, 1))
+        self.window = self.feeder.open_window(self.bucket, self.tokens_per_row) if (
+            self.queue or self.in_flight) else None
 
     def result(self) -> ServeResult:
         feeder = self.feeder
         ended = time.monotonic()
-        feeder.totals.busy_s += self.busy_s
-        feeder.totals.step_s += self.step_s
-        feeder.totals.last_end = ended
-        traj = feeder.policy.trajectory(self.bucket)
+        totals = feeder.totals
+        totals.last_end = ended
+        totals.calls += 1
+        totals.rows += self.rows
+        totals.output_tokens += self.output_tokens
+        steps, backoffs, preemptions = feeder.unreported(self.bucket)
+        started = self.started or ended
         record = CallRecord(
             bucket=self.bucket,
             rows=self.rows,
-            wall_s=round(ended - self.started, 4),
+            wall_s=round(ended - started, 4),
             busy_s=round(self.busy_s, 4),
             step_s=round(self.step_s, 4),
             fill=round(self.filled / self.allowed, 4) if self.allowed > 0 else None,
@@ -370,10 +523,10 @@ class _Call:
             steps=self.steps,
             peak_pressure=round(self.peak_pressure, 4),
             peak_kv_cache_usage=round(self.peak_kv, 4),
-            # Clamped: a rebuilt engine starts its counter again from 0.
-            preemptions=max(0, feeder.preemptions() - self.preempt_start),
+            preemptions=preemptions,
             rejected=self.rejected,
-            trajectory=traj["steps"][self.trajectory_from:],
-            backoffs=traj["backoffs"][self.backoffs_from:],
+            trajectory=steps,
+            backoffs=backoffs,
+            started_at=round(time.time() - (ended - started), 3),
         )
         return ServeResult(self.results, record)

@@ -15,6 +15,7 @@ they run against the fake engine in the unit tests as they do against vLLM.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -51,14 +52,17 @@ class EngineCalls:
         self.feeder, self.actor = feeder, actor
         self.totals, self.engine_info = totals, engine_info
         self.count = 0
+        self._numbering = threading.Lock()  # batches call from several threads at once
 
     def call(self, bucket: str, items: list[tuple[int, list[int]]], sampling: Sampling,
              records: list[dict[str, Any]], kind: str = "rows") -> tuple[str, dict[int, Completion]]:
         """Serve `items` (position, token ids) of one bucket; (call id, completions by position)."""
         served = self.feeder.serve(bucket, items, sampling)
-        call = EngineCall(f"{self.actor}-{self.count:05d}", kind, served.record, self.totals(),
-                          self.engine_info() if self.count == 0 else None)
-        self.count += 1
+        with self._numbering:
+            number = self.count
+            self.count += 1
+            call = EngineCall(f"{self.actor}-{number:05d}", kind, served.record, self.totals(),
+                              self.engine_info() if number == 0 else None)
         records.append(call.to_json())
         return call.call, served.completions
 

@@ -139,3 +139,115 @@ def test_measuring_keeps_exactly_the_policys_rows_and_stops_at_the_first_oom():
     assert len(engine.aborted) == 8 and not engine.live
     done = EngineFeeder(engine, FixedBatchPolicy(4), stop_on_oom=True).serve("le128", rows(8), SAMPLING)
     assert all(c.finished_at is not None and c.error is None for c in done.completions.values())
+
+
+class SlowEngine(FakeEngine):
+    """Steps take a moment, and each records the prompt lengths it ran: which calls shared it."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.lengths_per_step: list[set[int]] = []
+
+    def step(self):
+        import time
+
+        time.sleep(0.002)
+        self.lengths_per_step.append({len(ids) for _, _, ids, _ in self.live.values()})
+        return super().step()
+
+
+def serve_together(feeder, calls):
+    """Each (bucket, rows) served from its own thread, the way Ray Data runs an actor's
+    concurrent batches; the results in the order given."""
+    import threading
+
+    results, errors = [None] * len(calls), []
+
+    def run(k, bucket, batch):
+        try:
+            results[k] = feeder.serve(bucket, batch, SAMPLING)
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(k, b, r)) for k, (b, r) in enumerate(calls)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not errors and all(r is not None for r in results)
+    return results
+
+
+def test_concurrent_calls_share_the_engine_and_each_gets_only_its_rows():
+    """The next block's rows (another bucket here) fill the room the last wave of the one
+    before leaves: some step runs rows of both, and no call sees the other's rows."""
+    engine = SlowEngine(vary=True)
+    feeder = EngineFeeder(engine, FixedBatchPolicy(8))
+    short = [(i, [1] * 96) for i in range(40)]
+    long = [(100 + i, [2] * 200) for i in range(40)]
+    a, b = serve_together(feeder, [("le128", short), ("le256", long)])
+    assert sorted(a.completions) == list(range(40)) and sorted(b.completions) == list(range(100, 140))
+    assert all(c.error is None for c in [*a.completions.values(), *b.completions.values()])
+    assert a.record.bucket == "le128" and b.record.bucket == "le256"
+    assert any(lengths == {96, 200} for lengths in engine.lengths_per_step)  # no drain between them
+    assert engine.max_seen <= 8  # the policy's rows in flight hold across calls
+    t = feeder.totals
+    assert t.calls == 2 and t.rows == 80 and t.output_tokens == 320
+    assert 0 < t.serving_s and t.busy_s >= t.step_s > 0
+
+
+def test_one_failure_among_concurrent_calls_is_bisected_to_its_row():
+    engine = PoisonEngine()
+    feeder = EngineFeeder(engine, FixedBatchPolicy(16))
+    first = rows(12)
+    second = [(100 + i, [1] * 96) for i in range(12)]
+    second[5] = (105, [666] * 96)
+    a, b = serve_together(feeder, [("le128", first), ("le128", second)])
+    assert sorted(a.completions) == list(range(12)) and sorted(b.completions) == list(range(100, 112))
+    assert b.completions[105].error == "the engine failed on this row alone: RuntimeError: sampler produced NaN"
+    others = [c for p, c in [*a.completions.items(), *b.completions.items()] if p != 105]
+    assert all(c.error is None for c in others)
+
+
+def test_an_engine_that_cannot_recover_fails_every_open_call():
+    import pytest
+
+    class Broken(SlowEngine):
+        def step(self):
+            raise __import__("pipeline.generation.engine", fromlist=["EngineDead"]).EngineDead("core gone")
+
+        def rebuild(self, reason):
+            raise RuntimeError("cannot rebuild: no memory")
+
+    feeder = EngineFeeder(Broken(), FixedBatchPolicy(4))
+    import threading
+
+    errors = []
+
+    def run(bucket):
+        try:
+            feeder.serve(bucket, rows(4), SAMPLING)
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    threads = [threading.Thread(target=run, args=(b,)) for b in ("le128", "le256")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert not any(t.is_alive() for t in threads)  # nobody waits for a driver that is gone
+    assert errors and all("cannot rebuild" in e for e in errors)
+    with pytest.raises(RuntimeError):
+        feeder.serve("le128", rows(2), SAMPLING)
+
+
+def test_time_between_calls_is_not_busy_time():
+    import time
+
+    feeder = EngineFeeder(SlowEngine(), FixedBatchPolicy(8))
+    feeder.serve("le128", rows(8), SAMPLING)
+    time.sleep(0.3)  # waiting for the next block: idle, not busy
+    feeder.serve("le128", rows(8), SAMPLING)
+    t = feeder.totals
+    assert t.busy_s < 0.25 and t.busy_fraction() < 0.5
+    assert t.busy_s >= t.step_s > 0
