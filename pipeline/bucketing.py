@@ -38,3 +38,10 @@ class LengthBucketer:
 
     def name(self, tokens: int) -> str:
         return self.names[self.index(tokens)]
+
+
+def window_order(buckets: Sequence[int]) -> list[int]:
+    """Positions of a window's rows ordered by bucket, arrival order kept within one: the
+    window's blocks then hold one bucket each, except where one bucket ends and the next
+    begins, and the engine calls they are split into never mix buckets."""
+    return sorted(range(len(buckets)), key=lambda i: buckets[i])

@@ -35,6 +35,11 @@ def engine_kwargs(model: str, engine: EngineConfig, seed: int | None) -> dict[st
         "max_num_batched_tokens": engine.max_num_batched_tokens,
     }
     kwargs.update({k: v for k, v in optional.items() if v is not None})
+    if engine.tensor_parallel_size > 1:
+        # Inside its Ray actor, the engine's workers are processes on the GPUs the
+        # actor reserved (one bundle, one node), not Ray tasks of their own.
+        kwargs["tensor_parallel_size"] = engine.tensor_parallel_size
+        kwargs["distributed_executor_backend"] = "mp"
     # JSON without free whitespace: a weak model otherwise pads it with newlines
     # until max tokens cut it off (seen with the tiny model: 700 tokens of "\n").
     kwargs["structured_outputs_config"] = {
@@ -75,6 +80,7 @@ def prepare_settings(config: RunConfig, model_path: str, max_model_len: int,
                                                                  annotations.prompt.system),
         annotation_max_new_tokens=annotations.max_new_tokens if annotations else 0,
         cap_tokens=cap_tokens,
+        delay_s=config.profile.debug.slow_prepare_s,
     )
 
 

@@ -70,13 +70,50 @@ def bucket_table(prompt_tokens_by_bucket: dict[str, dict[int, int]], order: tupl
 
 
 def actor_summaries(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each actor's totals as of its last call (they are cumulative)."""
+    """Each actor's totals as of its last call (they are cumulative), with the time it
+    sat idle: from its engine being up to the pool's last call, the time it served no
+    call (waiting for input, for the other engines to start, or for the run to end)."""
+    def progress(a: dict[str, Any]) -> tuple[float, ...]:
+        return a.get("calls", 0), a["windows"], a["busy_s"]
+
     latest: dict[str, dict[str, Any]] = {}
     for c in calls:
         a = c.get("actor")
-        if a and (a["actor"] not in latest or a["windows"] >= latest[a["actor"]]["windows"]):
-            latest[a["actor"]] = a
-    return list(latest.values())
+        if a and (a["actor"] not in latest or progress(a) >= progress(latest[a["actor"]])):
+            latest[a["actor"]] = dict(a)
+    actors = list(latest.values())
+    pool_end = max((a.get("last_end_at") or 0.0 for a in actors), default=0.0)
+    for a in actors:
+        if a.get("ready_at") is not None and pool_end:
+            a["idle_s"] = round(max(0.0, pool_end - a["ready_at"] - a.get("serving_s", 0.0)), 3)
+    return actors
+
+
+def pool_summary(calls: list[dict[str, Any]], actors: list[dict[str, Any]], rows_by_bucket: dict[str, int]
+                 ) -> dict[str, Any]:
+    """How the work was shared: each engine's share of the rows, and which engines served
+    rows of each bucket (from the calls' records: the block assignment, not timing).
+    Sets each actor's `rows`: the input rows it summarized (its `requests` also count
+    annotation calls and map-reduce levels)."""
+    rows = {a["actor"]: 0 for a in actors}
+    by_bucket: dict[str, dict[str, int]] = {}
+    for c in calls:
+        if c.get("kind") == "rows" and c.get("actor"):
+            who = c["actor"]["actor"]
+            b = by_bucket.setdefault(c["bucket"], {})
+            b[who] = b.get(who, 0) + c.get("rows", 0)
+            rows[who] = rows.get(who, 0) + c.get("rows", 0)
+    for a in actors:
+        a["rows"] = rows.get(a["actor"], 0)
+    total = sum(rows.values())
+    largest = max(rows_by_bucket, key=lambda k: rows_by_bucket[k], default=None)
+    return {
+        "engines": len(actors),
+        "share_of_rows": {a: round(n / total, 4) if total else None for a, n in rows.items()},
+        "rows_by_bucket": by_bucket,
+        "largest_bucket": largest,
+        "engines_serving_largest_bucket": len(by_bucket.get(largest, {})) if largest else 0,
+    }
 
 
 def _weighted(pairs: list[tuple[float | None, float]]) -> float | None:
@@ -150,6 +187,11 @@ class RunReport:
     plot_path: str | None = None
     report_path: str = ""
     publish: dict[str, Any] = field(default_factory=dict)
+    # Unix times: first and last row prepared, first and last part written (streaming
+    # shows as the first part written before the last row was prepared).
+    timeline: dict[str, float | None] = field(default_factory=dict)
+    # Passes over the input before generation, and what each cost.
+    checks: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
@@ -175,7 +217,9 @@ def build_report(
     calls = sorted(written["calls"].values(), key=lambda c: c.get("call", ""))
     engines = [c.pop("engine") for c in calls if "engine" in c]
     actors = actor_summaries(calls)
-    engine_s = sum(c.get("wall_s", 0.0) for c in calls)
+    # Calls of one engine overlap (a few blocks at once): its engine time is the time
+    # it had any call open, not the sum of its calls' walls.
+    engine_s = sum(a.get("serving_s", 0.0) for a in actors)
     busy_s = sum(a["busy_s"] for a in actors)
     batching = config.profile.batching
     return RunReport(
@@ -209,11 +253,14 @@ def build_report(
             "backoffs": sum(len(c.get("backoffs", [])) for c in calls),
             "per_bucket": bucket_batching(calls, bucket_order),
         },
-        engine={"settings": engine_settings, "engines": engines, "actors": actors, "calls": len(calls)},
+        engine={"settings": engine_settings, "engines": engines, "actors": actors, "calls": len(calls),
+                "pool": pool_summary(calls, actors, {b: sum(c.values()) for b, c in
+                                                     written["prompt_tokens_by_bucket"].items()})},
         engine_calls=[{k: v for k, v in c.items() if k not in ("trajectory", "backoffs", "actor")}
                      | {"actor": c.get("actor", {}).get("actor")} for c in calls],
         files=sorted(written["files"]),
         versions=versions(),
+        timeline=written["timeline"],
     )
 
 

@@ -1,7 +1,8 @@
 """Wire the stages onto Ray Data and run one job: read, prepare, group, generate, write, report.
 
-    read (Parquet, or `datasets`) -> PrepareStage (actors) -> sort by bucket ->
-    GenerateStage (one engine per actor) -> ParquetPartsSink -> _report.json -> publish
+    read (Parquet, or `datasets`) -> PrepareStage (actors) -> window ordered by bucket ->
+    GenerateStage (one engine per actor, a few blocks at once) -> ParquetPartsSink ->
+    _report.json -> publish
 
 Everything that can be checked without a model (config, input files, columns,
 template fields, annotation schema, what is at the output path and whether
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
+import threading
 import time
 import uuid
 from collections import Counter
@@ -27,11 +30,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline import limits_store, schema
-from pipeline.bucketing import LengthBucketer
+from pipeline.bucketing import LengthBucketer, window_order
 from pipeline.config import AdaptivePolicy, RunConfig
 from pipeline.inputs import InputError, check_inputs, duplicate_ids
 from pipeline.output import OutputTarget, PublishError
 from pipeline.plan import engine_kwargs, generate_settings, prepare_settings
+from pipeline.pool import EnginePool, runtime_env
 from pipeline.report import REPORT_NAME, RunReport, build_report, write_beside, write_report
 from pipeline.report_plot import plot_trajectories
 from pipeline.stages.prepare import PrepareSettings, context_limit
@@ -75,21 +79,32 @@ def init_ray(config: RunConfig) -> None:
     if ray.is_initialized():
         return
     hw = config.profile.hardware
-    env = {k: os.environ.get(k, v) for k, v in WORKER_ENV_DEFAULTS.items()}
+    env_vars = {k: os.environ.get(k, v) for k, v in WORKER_ENV_DEFAULTS.items()}
     if hw.ray_address:
-        ray.init(address=hw.ray_address, runtime_env={"env_vars": env}, log_to_driver=True)
+        # ray.init uploads the working_dir; the folder is not needed after it.
+        with tempfile.TemporaryDirectory(prefix="pipeline-empty-") as empty:
+            ray.init(address=hw.ray_address, runtime_env=runtime_env(hw, env_vars, empty), log_to_driver=True)
     else:
-        ray.init(num_cpus=hw.ray_num_cpus, include_dashboard=False, runtime_env={"env_vars": env})
+        ray.init(num_cpus=hw.ray_num_cpus, include_dashboard=False, runtime_env=runtime_env(hw, env_vars))
+
+
+def group_window(batch: pa.Table) -> pa.Table:
+    """One window of prepared rows, ordered by bucket (see `bucketing.window_order`)."""
+    return batch.take(pa.array(window_order(batch.column(schema.BUCKET_INDEX).to_pylist()), pa.int64()))
 
 
 def read_and_prepare(config: RunConfig, inputs: Any, settings: PrepareSettings) -> Any:
     """The input read and run through the prepare stage (lazy: nothing runs yet)."""
     from pipeline.stages.prepare import PrepareStage
 
-    return inputs.read().map_batches(
+    # Blocks of one tokenizing batch: a read block (a file, a row group, up to 128 MiB)
+    # would otherwise come out of prepare whole, and nothing downstream could start
+    # before its last row was tokenized.
+    rows = config.profile.batching.prepare_batch_rows
+    return inputs.read().repartition(target_num_rows_per_block=rows).map_batches(
         PrepareStage,
         fn_constructor_kwargs={"settings": settings},
-        batch_size=config.profile.batching.prepare_batch_rows,
+        batch_size=rows,
         batch_format="pyarrow",
         concurrency=config.profile.hardware.prepare_actors,
         num_cpus=1,
@@ -121,12 +136,6 @@ def run_job(config: RunConfig, run_id: str | None = None) -> RunReport:
 
     # 1. Checks that need no model and no cluster.
     inputs = job_inputs(config)
-    repeated, examples = duplicate_ids(inputs, job.input.id_column)
-    if repeated:
-        raise InputError(
-            f"{job.input.path}: {repeated} ids occur more than once in column {job.input.id_column!r}, "
-            f"e.g. {', '.join(map(repr, examples))}; ids must be unique so every row can be accounted for"
-        )
     annotation_fields = job.annotations.fields() if job.annotations else []
     try:
         out_schema = schema.output_schema(inputs.schema, job.input.id_column, job.input.text_column,
@@ -155,6 +164,8 @@ def run_job(config: RunConfig, run_id: str | None = None) -> RunReport:
 def _generate(config: RunConfig, run_id: str, inputs: Any, out_schema: pa.Schema, target: OutputTarget,
               started: float, started_at: str) -> RunReport:
     """Steps 3 and 4: generate every row into the staging, then the report beside them."""
+    from ray.data import ActorPoolStrategy
+
     from pipeline.sink import ParquetPartsSink
     from pipeline.stages.generate import GenerateStage
 
@@ -172,31 +183,105 @@ def _generate(config: RunConfig, run_id: str, inputs: Any, out_schema: pa.Schema
     # 3. The dataset: nothing runs until the write pulls it.
     init_ray(config)
     hw, batching = profile.hardware, profile.batching
+    checks: dict[str, Any] = {}
     prepare = prepare_settings(config, model_path, max_model_len)
     percentile_cap = None
     if job.length.outlier_percentile is not None:
+        t = time.monotonic()
         percentile_cap = corpus_percentile_cap(config, inputs, prepare)
         prepare = replace(prepare, cap_tokens=percentile_cap)
+        checks["outlier_percentile"] = {"pass": "read and tokenize every row", "seconds": round(time.monotonic() - t, 3)}
     ds = read_and_prepare(config, inputs, prepare)
-    if profile.bucketing.grouping == "global":
-        # One range partition per bucket: the engine sees each bucket's rows together.
+    if profile.bucketing.grouping == "window":
+        # Streaming: each window of prepared rows ordered by bucket, nothing waits for the corpus.
+        # Then cut into blocks of an engine's batch: Ray Data hands out blocks, not
+        # batches, so a window left whole would go to one engine (streaming, no shuffle).
+        ds = (ds.map_batches(group_window, batch_size=profile.bucketing.window_rows, batch_format="pyarrow",
+                             num_cpus=0.1)
+              .repartition(target_num_rows_per_block=batching.generate_batch_rows))
+    elif profile.bucketing.grouping == "global":
+        # One range partition per bucket, after every row is read (an all-to-all barrier).
         ds = ds.sort(schema.BUCKET_INDEX, boundaries=list(range(1, len(bucketer.names))))
-    ds = ds.map_batches(
-        GenerateStage,
-        fn_constructor_kwargs={
-            "settings": generate_settings(config, prepare, run_id),
-            "learned": start_limits,
-        },
-        batch_size=batching.generate_batch_rows,
-        batch_format="pyarrow",
-        concurrency=hw.num_engines,
-        num_cpus=hw.engine_num_cpus,
-        num_gpus=1 if hw.accelerator == "gpu" else 0,
-    )
-    sink = ParquetPartsSink(target.fs, target.staging.data, run_id, out_schema)
-    ds.write_datasink(sink)
+    pool = EnginePool(hw, profile.engine.tensor_parallel_size)
+    pool.open()
+    try:
+        settings = replace(generate_settings(config, prepare, run_id), pool_gate=pool.gate)
+        ds = ds.map_batches(
+            GenerateStage,
+            fn_constructor_kwargs={"settings": settings, "learned": start_limits},
+            batch_size=batching.generate_batch_rows,
+            batch_format="pyarrow",
+            # A few blocks per engine at once, served by one feeder: the next block's
+            # rows fill the engine while the last one's finish.
+            compute=ActorPoolStrategy(size=hw.num_engines,
+                                      max_concurrent_calls_per_actor=batching.concurrent_batches,
+                                      max_tasks_in_flight_per_actor=batching.concurrent_batches,
+                                      enable_true_multi_threading=True),
+            **pool.actor_options(),
+        )
+        sink = ParquetPartsSink(target.fs, target.staging.data, run_id, out_schema)
+        # Unique ids are checked on the cluster while the engines start; they take no
+        # block until it has passed.
+        check = BesideStartup(lambda: check_unique_ids(inputs, job.input.id_column, job.input.path), pool.gate)
+        try:
+            # Write tasks ask for a tenth of a CPU: they wait on storage, and at a whole
+            # CPU Ray Data's resource budget held every part back until the input was read.
+            ds.write_datasink(sink, ray_remote_args={"num_cpus": 0.1})
+        except Exception:
+            check.raise_if_refused()
+            raise
+        checks["duplicate_ids"] = check.result()
+    finally:
+        pool.close()
     return finish(config, sink, target, run_id, inputs, started, started_at, model_path, max_model_len,
-                  bucketer, limits_key, start_limits, percentile_cap)
+                  bucketer, limits_key, start_limits, percentile_cap, checks)
+
+
+class BesideStartup:
+    """A check that runs in a thread while the engines start, and tells the pool's gate
+    whether they may take work."""
+
+    def __init__(self, check: Callable[[], dict[str, Any]], gate: Any):
+        self._result: dict[str, Any] | None = None
+        self._error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                self._result = check()
+            except BaseException as e:
+                self._error = e
+                gate.decide(False, f"{type(e).__name__}: {e}")
+                return
+            gate.decide(True)
+
+        self._thread = threading.Thread(target=run, name="check-beside-startup", daemon=True)
+        self._thread.start()
+
+    def raise_if_refused(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+    def result(self) -> dict[str, Any]:
+        self.raise_if_refused()
+        assert self._result is not None
+        return self._result
+
+
+def check_unique_ids(inputs: Any, id_column: str, where: str) -> dict[str, Any]:
+    """Ids must be unique for every row to be accounted for: checked on the cluster, one
+    column read, while the engines start. What it cost goes to the report."""
+    t = time.monotonic()
+    repeated, examples = duplicate_ids(inputs, id_column)
+    if repeated:
+        raise InputError(
+            f"{where}: {repeated} ids occur more than once in column {id_column!r}, "
+            f"e.g. {', '.join(map(repr, examples))}; ids must be unique so every row can be accounted for"
+        )
+    checks: dict[str, Any] = {"pass": f"read column {id_column!r}, distributed", "seconds": round(time.monotonic() - t, 3)}
+    if inputs.format == "hub":
+        checks["pass"] = "skipped: a streamed hub dataset would be read twice"
+    return checks
 
 
 def _side_step(warnings: list[str], what: str, step: Callable[[], Any]) -> Any:
@@ -213,7 +298,7 @@ def _side_step(warnings: list[str], what: str, step: Callable[[], Any]) -> Any:
 
 def finish(config: RunConfig, sink: Any, target: OutputTarget, run_id: str, inputs: Any, started: float,
            started_at: str, model_path: str, max_model_len: int, bucketer: LengthBucketer, limits_key: dict[str, Any],
-           start_limits: Any, percentile_cap: int | None) -> RunReport:
+           start_limits: Any, percentile_cap: int | None, checks: dict[str, Any]) -> RunReport:
     """Build the report from what was written, and put it (and the plot) beside the parts."""
     job, profile = config.job, config.profile
     if sink.summary is None:
@@ -231,6 +316,7 @@ def finish(config: RunConfig, sink: Any, target: OutputTarget, run_id: str, inpu
         bucket_order=bucketer.names,
     )
     report.date = config.date
+    report.checks = checks
     report.input_files = {"format": inputs.format, "read": len(inputs.paths), "skipped": inputs.skipped}
     if job.passages is not None:
         report.passages = {**job.passages.model_dump(), "documents_in": inputs.rows,

@@ -61,6 +61,7 @@ RAW_OUTPUT = pa.field("raw_output", pa.string())  # the model's text when it did
 PROMPT_TOKEN_IDS = "_prompt_token_ids"
 CHUNK_TEXTS = "_chunk_texts"  # under `length.policy: chunk`: the windows' text
 BUCKET_INDEX = "_bucket_index"
+PREPARED_AT = "_prepared_at"  # Unix time the row's prepare batch ended, for the report's timeline
 ENGINE_CALL = "_engine_call"
 ENGINE_CALL_STATS = "_engine_call_stats"  # a batch's engine-call records (JSON list), on its first row
 ANNOTATION_TOKEN_IDS = "_annotation_token_ids"

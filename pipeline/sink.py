@@ -13,11 +13,13 @@ Publishing, and what may be replaced or deleted, is not the sink's business.
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from ray.data import Datasink
@@ -54,7 +56,7 @@ class ParquetPartsSink(Datasink[dict[str, Any]]):
 
         name = f"{PART_PREFIX}{self.run_id}-{ctx.task_idx:05d}.parquet"
         pq.write_table(out, f"{self.root}/{name}", filesystem=self.fs)
-        return {"file": name, **stats}
+        return {"file": name, **stats, "written_at": time.time()}
 
     def on_write_complete(self, write_result: WriteResult[dict[str, Any]]) -> None:
         self.summary = merge_stats(write_result.write_returns)
@@ -83,7 +85,9 @@ def _block_stats(table: pa.Table) -> dict[str, Any]:
             c["max_prompt_tokens"] = max(c["max_prompt_tokens"], p)
             c["rows_written"] += 1
     call_records = [r for x in table.column(schema.ENGINE_CALL_STATS).to_pylist() if x for r in json.loads(x)]
+    prepared = pc.min_max(table.column(schema.PREPARED_AT)) if schema.PREPARED_AT in table.column_names else None
     return {
+        "prepared_at": None if prepared is None else [prepared["min"].as_py(), prepared["max"].as_py()],
         "rows": table.num_rows,
         "status": dict(Counter(status)),
         "prompt_tokens_by_bucket": {b: dict(c) for b, c in per_bucket.items()},
@@ -101,13 +105,25 @@ def merge_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
     merged: dict[str, Any] = {
         "files": [], "rows": 0, "status": Counter(), "prompt_tokens_by_bucket": defaultdict(Counter),
         "prompt_tokens": 0, "output_tokens": 0, "truncated": 0, "chunked": 0, "calls": {},
+        "timeline": {"first_row_prepared_at": None, "last_row_prepared_at": None,
+                     "first_part_written_at": None, "last_part_written_at": None},
     }
+    timeline = merged["timeline"]
+
+    def widen(key_min: str, key_max: str, lo: float | None, hi: float | None) -> None:
+        if lo is not None:
+            timeline[key_min] = lo if timeline[key_min] is None else min(timeline[key_min], lo)
+        if hi is not None:
+            timeline[key_max] = hi if timeline[key_max] is None else max(timeline[key_max], hi)
+
     records: dict[str, dict[str, Any]] = {}
     for part in parts:
         if not part.get("file"):
             continue
         merged["files"].append(part["file"])
         merged["rows"] += part["rows"]
+        widen("first_part_written_at", "last_part_written_at", part.get("written_at"), part.get("written_at"))
+        widen("first_row_prepared_at", "last_row_prepared_at", *(part.get("prepared_at") or (None, None)))
         merged["status"].update(part["status"])
         merged["prompt_tokens"] += part["prompt_tokens"]
         merged["output_tokens"] += part["output_tokens"]

@@ -233,10 +233,22 @@ def _migrate_batching(profile: dict[str, Any], source_of: dict[str, str]) -> Non
                     f"not {kind}: ignored (write it as batching.policy.{new} with that policy)")
 
 
+def _migrate_grouping(profile: dict[str, Any], source_of: dict[str, str]) -> None:
+    """`bucketing.grouping: per_batch` split each Ray Data batch by bucket; `window` does that
+    over a window of prepared rows, and replaces it."""
+    bucketing = profile.get("bucketing")
+    if isinstance(bucketing, dict) and bucketing.get("grouping") == "per_batch":
+        origin = _source("bucketing.grouping", source_of)
+        _deprecated(f"{origin}: bucketing.grouping: per_batch is replaced by window (it streams the same way, "
+                    "over bucketing.window_rows prepared rows)")
+        bucketing["grouping"] = "window"
+
+
 def _migrate(profile: dict[str, Any], source_of: dict[str, str]) -> None:
     """Every old spelling of a profile key, read into the new one (idempotent)."""
     _migrate_batching(profile, source_of)
     _migrate_moved(profile, source_of)
+    _migrate_grouping(profile, source_of)
 
 
 def load_run_config(

@@ -207,6 +207,11 @@ class EngineConfig(_Section):
         None, gt=0, description="CPU backend: KV cache size in GiB (sets VLLM_CPU_KVCACHE_SPACE)."
     )
     max_num_seqs: int | None = Field(None, gt=0, description="Most requests the engine runs at once.")
+    tensor_parallel_size: int = Field(
+        1, gt=0,
+        description="GPUs per engine for models too large for one: the engine actor reserves that many GPUs "
+        "in one placement-group bundle on one node (untested on real GPUs here).",
+    )
     max_num_batched_tokens: int | None = Field(None, gt=0)
     structured_outputs_backend: Literal["xgrammar", "guidance"] = Field(
         "xgrammar", description="Constrained decoding for annotations; any-whitespace JSON is disabled, "
@@ -226,7 +231,28 @@ class HardwareConfig(_Section):
         description="Logical CPUs each engine actor reserves. Keep the total below the cluster's so reads can run.",
     )
     prepare_actors: int = Field(1, gt=0, description="Tokenizing actors.")
-    ray_address: str | None = Field(None, description="Ray cluster to join; none starts a local one.")
+    ray_address: str | None = Field(
+        None, description="Ray cluster to join (e.g. ray://head:10001 or auto); none starts a local one.")
+    engines_per_node: int | None = Field(
+        None, gt=0,
+        description="1: each engine on its own node (a STRICT_SPREAD placement group, one bundle per engine); "
+        "more: spread across nodes, best effort; none: wherever Ray finds room (one engine per GPU on GPUs).",
+    )
+    ship_package: bool = Field(
+        True,
+        description="With ray_address: send this package to every node in the job's runtime_env (py_modules), "
+        "so workers run the driver's code, not whatever is installed there.",
+    )
+    placement_timeout_s: float = Field(
+        120.0, gt=0,
+        description="How long to wait for the cluster to place every engine (engines_per_node, "
+        "tensor_parallel_size) before the run stops with an error naming what is missing.",
+    )
+    pool_start_timeout_s: float = Field(
+        300.0, gt=0,
+        description="Engines wait this long for each other to start before taking blocks, so the first "
+        "to start does not take every block of a small corpus.",
+    )
     ray_num_cpus: int | None = Field(
         None, gt=0, description="Local Ray only: logical CPUs to advertise (more than cores is fine)."
     )
@@ -286,12 +312,18 @@ class BucketingConfig(_Section):
         default_factory=lambda: list(DEFAULT_BOUNDARIES),
         description="Inclusive upper bounds of the prompt-length buckets, in tokens.",
     )
-    grouping: Literal["global", "per_batch", "off"] = Field(
-        "global",
+    grouping: Literal["window", "global", "off"] = Field(
+        "window",
         description=(
-            "global: sort the corpus by bucket so engine calls are full and never mix buckets; "
-            "per_batch: streaming, split each batch by bucket; off: no grouping (benchmark baseline)."
+            "window: streaming; each window of prepared rows is ordered by bucket, so engine calls never mix "
+            "buckets and generation starts while later input is read; global: sort the whole corpus by bucket "
+            "first (an all-to-all barrier, kept for comparison); off: no grouping (benchmark baseline)."
         ),
+    )
+    window_rows: int = Field(
+        4096, gt=0,
+        description="window grouping: prepared rows ordered by bucket together. More rows, fewer bucket "
+        "boundaries; the window bounds what a stage holds at once.",
     )
 
     @field_validator("grouping", mode="before")
@@ -324,9 +356,15 @@ class BatchingConfig(_Section):
     )
     prepare_batch_rows: int = Field(256, gt=0, description="Rows per tokenizing batch.")
     generate_batch_rows: int = Field(
-        4096, gt=0,
-        description="Rows Ray Data hands an engine actor at once. Each batch's bucket runs start and end "
-        "with the engine part-full; at 4,000 rows 1,024 cost 3% of throughput against 4,096.",
+        128, gt=0,
+        description="Rows per block an engine actor takes: small enough that every engine gets blocks of "
+        "every large bucket. An actor serves `concurrent_batches` blocks at once in one engine, so a block "
+        "boundary costs no drain.",
+    )
+    concurrent_batches: int = Field(
+        4, gt=0,
+        description="Blocks each engine actor serves at once (and the most Ray Data hands it ahead): enough "
+        "rows to keep its engine full between blocks.",
     )
     learned_limits: str | None = Field(
         None,
@@ -348,6 +386,11 @@ class DebugConfig(_Section):
     inject_oom_kind: Literal["oom", "engine_death"] = Field(
         "oom", description="oom: raise CUDA-style OOM in-process; engine_death: kill the engine core process."
     )
+    slow_prepare_s: float = Field(
+        0.0, ge=0.0,
+        description="Drills: each tokenizing batch takes this much longer, as reads from a slow store would "
+        "(shows generation starting while input is still being read).",
+    )
 
 
 class ProfileConfig(_Section):
@@ -357,6 +400,13 @@ class ProfileConfig(_Section):
     bucketing: BucketingConfig = BucketingConfig()
     batching: BatchingConfig = BatchingConfig()
     debug: DebugConfig = DebugConfig()
+
+    @model_validator(mode="after")
+    def _tensor_parallel_needs_gpus(self) -> ProfileConfig:
+        if self.engine.tensor_parallel_size > 1 and self.hardware.accelerator != "gpu":
+            raise ValueError(f"engine.tensor_parallel_size: {self.engine.tensor_parallel_size} needs "
+                             "hardware.accelerator: gpu (vLLM's CPU backend runs one engine per actor)")
+        return self
 
 
 class RunConfig(_Section):

@@ -26,6 +26,10 @@ off is the usual cause), and a row that fails again gets status
 from __future__ import annotations
 
 import json
+import os
+import socket
+import threading
+import time
 import uuid
 from dataclasses import dataclass, replace
 from itertools import groupby
@@ -88,6 +92,28 @@ class GenerateSettings:
     chunk_overlap: int = 64
     inject_oom_at_batch: int | None = None
     inject_oom_kind: str = "oom"
+    pool_gate: Any = None  # an object whose wait() returns once every engine of the pool is up
+
+
+class RunRefused(RuntimeError):
+    """The driver's checks, run while the engines started, refused the run."""
+
+
+def where_am_i() -> dict[str, Any]:
+    """The node and process this actor runs in, and where it imported this package from
+    (on a cluster: the copy the runtime_env shipped)."""
+    import pipeline
+
+    node = None
+    try:
+        import ray
+
+        if ray.is_initialized():
+            node = ray.get_runtime_context().get_node_id()
+    except ImportError:
+        pass
+    return {"host": socket.gethostname(), "node": node, "pid": os.getpid(),
+            "package_path": os.path.dirname(os.path.abspath(pipeline.__file__))}
 
 
 def make_policy(settings: GenerateSettings, engine: Engine, learned: dict[str, int] | None) -> BatchPolicy:
@@ -126,10 +152,15 @@ class GenerateStage:
         self.calls = EngineCalls(self.feeder, self.actor, self.actor_totals, self.engine_info)
         self.sampling = settings.sampling
         self.prep: PrepareStage | None = None  # tokenizer for map-reduce prompts, loaded on first need
+        self._prep_lock = threading.Lock()
         self.annotations = settings.annotations
         self.parser = None if self.annotations is None else AnnotationParser(self.annotations.json_schema)
         self.annotation_sampling = None if self.annotations is None else self.sampling.with_room(
             self.annotations.max_new_tokens, self.annotations.json_schema)
+        self.placement = where_am_i()
+        self.ready_at = round(time.time(), 3)
+        # Wait for the other engines, and for the driver's checks (None: go ahead).
+        self.refused = settings.pool_gate.wait() if settings.pool_gate is not None else None
 
     def engine_info(self) -> dict[str, Any]:
         return {
@@ -145,6 +176,13 @@ class GenerateStage:
         t = self.feeder.totals
         return {
             "actor": self.actor,
+            **self.placement,
+            "ready_at": self.ready_at,
+            "last_end_at": round(time.time(), 3),
+            "calls": t.calls,
+            "requests": t.rows,  # every call's rows: annotations and map-reduce levels too
+            "output_tokens": t.output_tokens,
+            "serving_s": round(t.serving_s, 4),
             "busy_s": round(t.busy_s, 4),
             "step_s": round(t.step_s, 4),
             "active_s": round((t.last_end or 0) - (t.first_start or 0), 4),
@@ -159,8 +197,9 @@ class GenerateStage:
     def _summarize_chunked(self, rows: dict[int, dict[str, Any]], pieces: dict[int, list[str]],
                            records: list[dict[str, Any]]) -> dict[int, Completion]:
         """Map-reduce over the batch's chunked rows, with this model's tokenizer and template."""
-        if self.prep is None:
-            self.prep = PrepareStage(replace(self.settings.prepare, max_model_len=self.engine.max_model_len))
+        with self._prep_lock:  # batches run in several threads at once
+            if self.prep is None:
+                self.prep = PrepareStage(replace(self.settings.prepare, max_model_len=self.engine.max_model_len))
         prep = self.prep
 
         def encode(i: int, text: str) -> list[int]:
@@ -178,6 +217,8 @@ class GenerateStage:
         return map_reduce(self.calls, pieces, encode, split, self.bucketer.name, self.sampling, records)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
+        if self.refused is not None:
+            raise RunRefused(self.refused)
         n = batch.num_rows
         status = batch.column("status").to_pylist()
         token_ids = batch.column(schema.PROMPT_TOKEN_IDS).to_pylist()

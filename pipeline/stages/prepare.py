@@ -16,6 +16,8 @@ possible): the text column is replaced by `passage`, `passage_index`,
 
 from __future__ import annotations
 
+import time
+
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +52,7 @@ class PrepareSettings:
     annotation_prompt: Prompt | None = None
     annotation_max_new_tokens: int = 0
     cap_tokens: int | None = None  # the corpus percentile cap, when the job asks for one
+    delay_s: float = 0.0  # debug: each batch takes this much longer, as a slow store's reads would
 
 
 class PromptRenderer:
@@ -219,6 +222,8 @@ class PrepareStage:
         return exploded, out
 
     def __call__(self, batch: pa.Table) -> pa.Table:
+        if self.settings.delay_s:
+            time.sleep(self.settings.delay_s)
         # 1. Bad rows become error rows with a reason; with passages, documents become passages.
         work = [self._check(row) for row in batch.to_pylist()]
         if self.passages is not None:
@@ -290,6 +295,7 @@ class PrepareStage:
         }
         if self.annotator is not None:
             columns[schema.ANNOTATION_TOKEN_IDS] = pa.array([w.annotation_ids for w in work], pa.list_(pa.int32()))
+        columns[schema.PREPARED_AT] = pa.array([time.time()] * len(work), pa.float64())
         for name, values in columns.items():
             batch = batch.append_column(name, values)
         return batch

@@ -58,13 +58,28 @@ def sample_corpus(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def job_run(tmp_path_factory, tiny_model) -> JobRun:
     tmp = tmp_path_factory.mktemp("job")
-    corpus_path = write_corpus(tmp / "in" / f"dt={DATE}" / "corpus.parquet", rows=ROWS, seed=11)
+    # Ten files: ten read blocks that reach the prepare stage one after another, as a
+    # large corpus's files and row groups do (a one-file corpus is one read block).
+    whole = pq.read_table(write_corpus(tmp / "whole.parquet", rows=ROWS, seed=11))
+    corpus_path = tmp / "in" / f"dt={DATE}"
+    corpus_path.mkdir(parents=True)
+    for k in range(10):
+        pq.write_table(whole.slice(k * ROWS // 10, ROWS // 10), corpus_path / f"part-{k}.parquet")
     output = tmp / "out" / f"dt={DATE}"
     sets = (
         "--set", f"model.name={tiny_model}",
         "--set", f"sampling.max_new_tokens={MAX_NEW_TOKENS}",
-        # Small batches: many engine calls, batches that straddle buckets.
-        "--set", "batching.generate_batch_rows=48",
+        # Small blocks: many engine calls, blocks that straddle buckets, and enough of
+        # them that each of the two engines holds its 4 and more wait.
+        "--set", "batching.generate_batch_rows=16",
+        # Two engines on the local profile: the pool's block assignment is asserted on this run.
+        "--set", "hardware.num_engines=2",
+        # Input that arrives slowly (a tokenizing batch per file, 9 s each: 90 s, well
+        # past the 25-45 s two engines take to start on 2 cores): the first part is
+        # written before the last row is read. Windows of two files come out as three
+        # blocks at once, so both engines get blocks of each window.
+        "--set", "batching.prepare_batch_rows=20", "--set", "bucketing.window_rows=40",
+        "--set", "debug.slow_prepare_s=9",
         "--set", "engine.max_model_len=8192",
         "--set", "batching.learned_limits=null",  # no state carried between test runs
     )

@@ -45,16 +45,39 @@ def test_rows_are_generated(job_run):
 
 def test_no_engine_call_mixed_buckets(job_run):
     calls = job_run.report["engine_calls"]
-    # A call is one bucket's rows within one 48-row batch: batches straddle buckets.
+    # A call is one bucket's rows within one 16-row block: blocks straddle buckets.
     assert len(calls) > len(job_run.report["buckets"])
     bounds = dict(zip(LengthBucketer().names, [0, *LengthBucketer().boundaries]))
     for c in calls:
         assert c["buckets"] == [c["bucket"]]
-        assert 1 <= c["rows"] <= 48 and c["rows_written"] == c["rows"]
+        assert 1 <= c["rows"] <= 16 and c["rows_written"] == c["rows"]
         low = bounds[c["bucket"]]
         assert low < c["min_prompt_tokens"] <= c["max_prompt_tokens"]
         assert c["bucket"].startswith("gt") or c["max_prompt_tokens"] <= int(c["bucket"][2:])
     assert sum(c["rows"] for c in calls) == ROWS
+
+
+def test_two_engines_share_the_largest_bucket(job_run):
+    """From the block assignment the report records, not from timing: on 2 cores whichever
+    engine starts first would get a head start, so the pool's engines start together."""
+    pool, actors = job_run.report["engine"]["pool"], job_run.report["engine"]["actors"]
+    assert pool["engines"] == 2 and len(actors) == 2
+    largest = max(job_run.report["buckets"], key=lambda b: job_run.report["buckets"][b]["rows"])
+    assert pool["largest_bucket"] == largest and pool["engines_serving_largest_bucket"] == 2
+    assert all(n > 0 for n in pool["rows_by_bucket"][largest].values())
+    assert sum(a["rows"] for a in actors) == ROWS and abs(sum(pool["share_of_rows"].values()) - 1) < 1e-3
+    for a in actors:
+        assert a["rows"] > 0 and 0 < a["busy_fraction"] <= 1 and a["idle_s"] >= 0 and a["serving_s"] > 0
+        assert a["output_tokens"] > 0 and a["package_path"].endswith("pipeline")
+
+
+def test_generation_starts_while_input_is_still_read(job_run):
+    """No barrier: the first part is committed to staging before the last input row is
+    tokenized (the shared run's input arrives slowly, see conftest)."""
+    t = job_run.report["timeline"]
+    assert t["first_row_prepared_at"] <= t["last_row_prepared_at"]
+    assert t["first_part_written_at"] < t["last_row_prepared_at"], t
+    assert job_run.report["checks"]["duplicate_ids"]["seconds"] >= 0
 
 
 def test_report_agrees_with_the_output_files(job_run):

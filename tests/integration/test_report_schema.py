@@ -17,7 +17,7 @@ TOP = {
     "tokens": dict, "output_tokens_per_s": NUM, "engine_s": NUM, "engine_output_tokens_per_s": NUM,
     "busy_fraction": NUM, "fill": NUM, "batching": dict, "engine": dict, "engine_calls": list, "files": list,
     "versions": dict, "date": OPT_STR, "input_files": dict, "length": dict, "plot_path": OPT_STR,
-    "report_path": str, "publish": dict, "warnings": list,
+    "report_path": str, "publish": dict, "timeline": dict, "checks": dict, "warnings": list,
 }
 BATCHING = {"policy": str, "feed": str, "memory_target": (float, type(None)), "rows_per_call": (int, type(None)),
             "tuned_rows": (dict, type(None)), "backoffs": int, "per_bucket": dict, "learned_limits": dict}
@@ -26,8 +26,10 @@ PER_BUCKET = {"calls": int, "trajectory": list, "backoffs": list, "peak_pressure
 CALL = {"call": str, "kind": str, "bucket": str, "buckets": list, "rows": int, "rows_written": int,
         "min_prompt_tokens": int, "max_prompt_tokens": int, "wall_s": NUM, "busy_s": NUM, "step_s": NUM,
         "fill": (float, type(None)), "output_tokens": int, "steps": int, "peak_pressure": NUM,
-        "peak_kv_cache_usage": NUM, "preemptions": int, "rejected": int, "actor": str}
-ACTOR = {"actor": str, "busy_s": NUM, "step_s": NUM, "active_s": NUM, "busy_fraction": (float, type(None)),
+        "peak_kv_cache_usage": NUM, "preemptions": int, "rejected": int, "actor": str, "started_at": NUM}
+ACTOR = {"actor": str, "host": str, "node": str, "pid": int, "package_path": str, "ready_at": NUM,
+         "last_end_at": NUM, "calls": int, "requests": int, "rows": int, "output_tokens": int, "serving_s": NUM,
+         "idle_s": NUM, "busy_s": NUM, "step_s": NUM, "active_s": NUM, "busy_fraction": (float, type(None)),
          "windows": int, "oom_retries": int, "bisections": int, "rebuilds": list, "learned": dict}
 ENGINE = {"actor": str, "startup_s": NUM, "startup_attempts": list, "kv_cache_tokens": (int, type(None)),
           "max_model_len": int, "max_num_seqs": int}
@@ -48,7 +50,12 @@ def test_report_keys_and_types_are_pinned(job_run):
         check(b, PER_BUCKET, f"batching.per_bucket.{name}")
         for step in b["trajectory"]:
             assert STEP <= set(step), f"a trajectory step lacks {STEP - set(step)}"
-    assert set(r["engine"]) == {"settings", "engines", "actors", "calls"}
+    assert set(r["engine"]) == {"settings", "engines", "actors", "calls", "pool"}
+    assert set(r["engine"]["pool"]) == {"engines", "share_of_rows", "rows_by_bucket", "largest_bucket",
+                                        "engines_serving_largest_bucket"}
+    assert set(r["timeline"]) == {"first_row_prepared_at", "last_row_prepared_at", "first_part_written_at",
+                                  "last_part_written_at"} and all(isinstance(v, NUM) for v in r["timeline"].values())
+    assert set(r["checks"]) >= {"duplicate_ids"} and isinstance(r["checks"]["duplicate_ids"]["seconds"], NUM)
     for c in r["engine_calls"]:
         check(c, CALL, f"engine_calls[{c['call']}]")
     for a in r["engine"]["actors"]:

@@ -43,3 +43,59 @@ def test_rejects_bad_boundaries(bad):
 def test_rejects_negative_length():
     with pytest.raises(ValueError):
         LengthBucketer().index(-1)
+
+
+# --- windowed grouping: properties for any corpus (hypothesis) ------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from pipeline.bucketing import window_order  # noqa: E402
+from pipeline.stages.generate import bucket_runs  # noqa: E402
+
+NAMES = LengthBucketer().names
+
+
+def engine_calls(buckets: list[int], window_rows: int, block_rows: int) -> list[tuple[str, list[int]]]:
+    """The plan's composition, in order: windows of prepared rows ordered by bucket
+    (`window_order`, as the window stage does), the stream cut into blocks of
+    `block_rows` (Ray Data's repartition), each block split into engine calls
+    (`bucket_runs`, as the generate stage does). Row numbers are input positions."""
+    stream: list[int] = []
+    for start in range(0, len(buckets), window_rows):
+        window = list(range(start, min(start + window_rows, len(buckets))))
+        stream += [window[i] for i in window_order([buckets[p] for p in window])]
+    calls = []
+    for start in range(0, len(stream), block_rows):
+        block = stream[start:start + block_rows]
+        local = [buckets[p] for p in block]
+        for name, positions in bucket_runs(list(range(len(block))), local, "window", NAMES):
+            calls.append((name, [block[i] for i in positions]))
+    return calls
+
+
+@settings(max_examples=300, deadline=None)
+@given(buckets=st.lists(st.integers(0, len(NAMES) - 1), max_size=400),
+       window_rows=st.integers(1, 120), block_rows=st.integers(1, 50))
+def test_every_row_reaches_exactly_one_bucket_pure_call_no_larger_than_a_block(buckets, window_rows, block_rows):
+    calls = engine_calls(buckets, window_rows, block_rows)
+    served = sorted(p for _, positions in calls for p in positions)
+    assert served == list(range(len(buckets)))  # every row once: none lost, none twice
+    for name, positions in calls:
+        assert {NAMES[buckets[p]] for p in positions} == {name}  # bucket-pure
+        assert 1 <= len(positions) <= block_rows  # never more than its block
+
+
+@given(buckets=st.lists(st.integers(0, 7), max_size=200))
+def test_a_window_is_ordered_by_bucket_and_keeps_arrival_order_within_one(buckets):
+    order = window_order(buckets)
+    assert sorted(order) == list(range(len(buckets)))
+    keyed = [(buckets[i], i) for i in order]
+    assert keyed == sorted(keyed)  # by bucket, then by arrival
+
+
+def test_a_window_of_mixed_rows_becomes_few_calls():
+    # 3 buckets interleaved row by row: per-batch splitting would make 3 calls per block;
+    # ordered by bucket first, a 90-row window in 30-row blocks makes exactly 3.
+    buckets = [0, 1, 2] * 30
+    assert [(n, len(p)) for n, p in engine_calls(buckets, 90, 30)] == [("le128", 30), ("le256", 30), ("le512", 30)]

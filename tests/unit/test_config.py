@@ -207,3 +207,12 @@ def test_the_restart_policy_has_its_own_section_and_the_old_keys_still_work():
     with pytest.raises(ConfigError, match=r"--set engine.startup_backoff=2: engine.restart.startup_backoff: "
                                           r"Input should be less than 1"):
         load_run_config(JOB, LOCAL, ["engine.startup_backoff=2"])
+
+
+def test_per_batch_grouping_is_replaced_by_the_streaming_window():
+    profile = load_run_config(JOB, LOCAL).profile
+    assert profile.bucketing.grouping == "window" and profile.bucketing.window_rows == 4096
+    assert profile.batching.concurrent_batches == 4 and profile.batching.generate_batch_rows == 128
+    with pytest.warns(ConfigDeprecationWarning, match="per_batch is replaced by window"):
+        assert load_run_config(JOB, LOCAL, ["bucketing.grouping=per_batch"]).profile.bucketing.grouping == "window"
+    assert load_run_config(JOB, LOCAL, ["bucketing.grouping=global"]).profile.bucketing.grouping == "global"

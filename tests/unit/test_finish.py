@@ -53,7 +53,7 @@ def test_a_failing_side_step_is_a_warning_and_the_output_is_published(tmp_path, 
     inputs = SimpleNamespace(rows=3, format="parquet", paths=["in.parquet"], skipped=[])
     key = {"model": "m", "hardware": "cpu:x", "max_model_len": 4096, "dtype": "bfloat16"}
     typed = runner.finish(config, sink, target, "run1", inputs, time.monotonic() - 1, "2026-11-30T00:00:00+00:00",
-                          "model", 4096, LengthBucketer(), key, {}, None)
+                          "model", 4096, LengthBucketer(), key, {}, None, {})
     typed.warnings += target.publish()
     report = typed.to_json()
     target.close()

@@ -127,12 +127,12 @@ def test_two_runs_racing_for_one_output_get_one_lease(tmp_path):
         "lease = OutputLease(pafs.LocalFileSystem(), sys.argv[1], Owner.this_process(sys.argv[2], 'j'))\n"
         "time.sleep(max(0, float(sys.argv[3]) - time.time()))\n"
         "try:\n"
-        "    lease.acquire(); print('got', flush=True); time.sleep(0.5); lease.release()\n"
+        "    lease.acquire(); print('got', flush=True); time.sleep(3); lease.release()\n"
         "except OutputBusy:\n"
         "    print('busy', flush=True)\n"
     )
     for attempt in range(3):
-        at = str(time.time() + 1.0)  # both start, import, then ask at the same moment
+        at = str(time.time() + 3.0)  # both start, import (slow on a busy machine), then ask at once
         procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / f"out{attempt}"), f"r{i}", at],
                                   stdout=subprocess.PIPE, text=True, cwd=REPO) for i in range(2)]
         results = sorted(p.communicate(timeout=60)[0].strip() for p in procs)

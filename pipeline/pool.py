@@ -1,0 +1,177 @@
+"""The engine pool on Ray: what each engine actor reserves, where it is placed, how the
+engines start together, and what every node needs to run them.
+
+- Resources: an engine actor reserves `hardware.engine_num_cpus` CPUs and, on GPUs,
+  `engine.tensor_parallel_size` GPUs. With `tensor_parallel_size > 1` those GPUs are
+  one placement-group bundle, so they sit on one node, and vLLM's workers run as
+  processes inside the actor on them.
+- Placement: `hardware.engines_per_node: 1` puts each engine's bundle on a node of its
+  own (STRICT_SPREAD); more spreads them best effort (SPREAD). Without either, no
+  placement group: Ray puts each engine where it has room (one per GPU on GPUs).
+- Start-up: engines wait for each other (`PoolGate`), up to
+  `hardware.pool_start_timeout_s`, before they take blocks. Ray Data hands blocks to
+  the actors that are up; on a small corpus the first engine would otherwise take them all.
+  They also wait for the driver's word: the unique-id check runs while they start.
+- Every node: with `hardware.ray_address`, the job's runtime_env ships this package
+  (`py_modules`), so each worker imports the driver's code.
+
+The placement group and the gate are this run's: `EnginePool.close` removes exactly
+them, by handle.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline.config import HardwareConfig
+
+PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+@dataclass(frozen=True)
+class EngineResources:
+    """What one engine actor asks Ray for, and where its bundle goes."""
+
+    num_cpus: float
+    num_gpus: float
+    bundle: dict[str, float] | None  # its placement-group bundle, when there is a group
+    strategy: str | None  # the group's strategy: STRICT_SPREAD, SPREAD or PACK
+
+
+def engine_resources(hw: HardwareConfig, tensor_parallel_size: int = 1) -> EngineResources:
+    if tensor_parallel_size > 1 and hw.accelerator != "gpu":
+        raise ValueError(f"engine.tensor_parallel_size: {tensor_parallel_size} needs hardware.accelerator: gpu "
+                         "(vLLM's CPU backend runs one engine per actor)")
+    gpus = float(tensor_parallel_size) if hw.accelerator == "gpu" else 0.0
+    if hw.engines_per_node is None and tensor_parallel_size == 1:
+        return EngineResources(hw.engine_num_cpus, gpus, None, None)
+    bundle = {"CPU": float(hw.engine_num_cpus), **({"GPU": gpus} if gpus else {})}
+    strategy = {None: "PACK", 1: "STRICT_SPREAD"}.get(hw.engines_per_node, "SPREAD")
+    return EngineResources(hw.engine_num_cpus, gpus, bundle, strategy)
+
+
+def runtime_env(hw: HardwareConfig, env_vars: dict[str, str], empty_dir: str | None = None) -> dict[str, Any]:
+    """The job's runtime_env: quiet workers, and on a cluster this package for every node.
+
+    `empty_dir`, an empty folder, goes as the job's working_dir so that the shipped copy is
+    the one workers import: a job without a working_dir has Ray put the driver's current
+    directory first on every worker's sys.path, and a driver started in the repository root
+    would have each node import whatever checkout sits at that path there."""
+    env: dict[str, Any] = {"env_vars": dict(env_vars)}
+    if hw.ray_address and hw.ship_package:
+        env["py_modules"] = [PACKAGE_DIR]
+        if empty_dir is not None:
+            env["working_dir"] = empty_dir
+    return env
+
+
+class _Arrivals:
+    """What the engine actors report to once their engine is up, and the driver's word on
+    whether they may start work (the checks that run beside engine start-up). An async
+    actor: every engine waits in `arrive` at once, and all are let go within a tick, so
+    Ray Data sees them ready together and deals blocks to each."""
+
+    def __init__(self, engines: int) -> None:
+        self.engines = engines
+        self.arrived: set[str] = set()
+        self.verdict: tuple[bool, str] | None = None
+
+    async def arrive(self, who: str, timeout_s: float) -> tuple[bool, str]:
+        import asyncio
+
+        self.arrived.add(who)
+        started = time.monotonic()
+        while True:
+            everyone = len(self.arrived) >= self.engines or time.monotonic() - started >= timeout_s
+            if self.verdict is not None and (everyone or not self.verdict[0]):
+                return self.verdict
+            await asyncio.sleep(0.02)
+
+    def decide(self, go: bool, why: str) -> None:
+        self.verdict = (go, why)
+
+
+class PoolGate:
+    """Engines start together, and only once the driver says so: `wait` returns once
+    `engines` actors have arrived (or after `timeout_s`: an engine that never starts must
+    not stop the others) and the driver has decided. The decision is what lets a check
+    that needs the cluster (unique ids) run while the engines start, and still stop the
+    run before any row is generated."""
+
+    def __init__(self, engines: int, timeout_s: float):
+        import ray
+
+        self.engines, self.timeout_s = engines, timeout_s
+        self.counter = ray.remote(num_cpus=0)(_Arrivals).remote(engines)
+
+    def decide(self, go: bool, why: str = "") -> None:
+        import ray
+
+        ray.get(self.counter.decide.remote(go, why))
+
+    def wait(self) -> str | None:
+        """None to go ahead; else why the run was refused."""
+        import ray
+
+        go, why = ray.get(self.counter.arrive.remote(uuid.uuid4().hex, self.timeout_s))
+        return None if go else why
+
+    def close(self) -> None:
+        import ray
+
+        ray.kill(self.counter)
+
+
+class EnginePool:
+    """This run's placement group (when the profile needs one) and start gate."""
+
+    def __init__(self, hw: HardwareConfig, tensor_parallel_size: int = 1):
+        self.hw = hw
+        self.resources = engine_resources(hw, tensor_parallel_size)
+        self.group: Any = None
+        self.gate: PoolGate | None = None
+
+    def open(self) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+
+        if self.resources.bundle is not None:
+            self.group = placement_group([self.resources.bundle] * self.hw.num_engines,
+                                         strategy=self.resources.strategy)
+            timeout = self.hw.placement_timeout_s
+            ready, _ = ray.wait([self.group.ready()], timeout=timeout)
+            if not ready:
+                cpus = [n.get("Resources", {}).get("CPU", 0) for n in ray.nodes() if n.get("Alive")]
+                gpus = [n.get("Resources", {}).get("GPU", 0) for n in ray.nodes() if n.get("Alive")]
+                self.close()
+                raise RuntimeError(
+                    f"{self.hw.num_engines} engines of {self.resources.bundle} each ({self.resources.strategy}) "
+                    f"could not be placed in {timeout:.0f} s: the cluster has {len(cpus)} nodes "
+                    f"(CPUs per node {cpus}, GPUs per node {gpus}). Lower hardware.num_engines, or drop "
+                    "hardware.engines_per_node."
+                )
+        self.gate = PoolGate(self.hw.num_engines, self.hw.pool_start_timeout_s)
+
+    def actor_options(self) -> dict[str, Any]:
+        """Ray remote options for each engine actor."""
+        options: dict[str, Any] = {"num_cpus": self.resources.num_cpus, "num_gpus": self.resources.num_gpus}
+        if self.group is not None:
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                self.group, placement_group_capture_child_tasks=True)
+        return options
+
+    def close(self) -> None:
+        import ray
+
+        if self.gate is not None:
+            self.gate.close()
+            self.gate = None
+        if self.group is not None:
+            ray.util.remove_placement_group(self.group)
+            self.group = None

@@ -1,0 +1,35 @@
+"""The pool's part of the report, from the calls' records: who served what, and who idled."""
+
+from pipeline.report import actor_summaries, pool_summary
+
+
+def actor(name, calls, rows, serving_s, ready_at, last_end_at):
+    return {"actor": name, "calls": calls, "windows": calls, "busy_s": serving_s, "rows": rows,
+            "serving_s": serving_s, "ready_at": ready_at, "last_end_at": last_end_at}
+
+
+def call(name, bucket, rows, totals, kind="rows"):
+    return {"call": f"{name}-{totals['calls']}", "kind": kind, "bucket": bucket, "rows": rows, "actor": totals}
+
+
+def test_each_engine_is_summarized_as_of_its_last_call_with_its_idle_time():
+    a1, a2 = actor("a", 1, 100, 5.0, 1000.0, 1005.0), actor("a", 2, 150, 8.0, 1000.0, 1009.0)
+    b1 = actor("b", 1, 50, 2.0, 1001.0, 1003.0)
+    calls = [call("a", "le256", 100, a1), call("b", "le256", 50, b1), call("a", "le512", 50, a2)]
+    actors = {a["actor"]: a for a in actor_summaries(calls)}
+    # Idle: from its engine being up to the pool's last call (1009), the time it served nothing.
+    assert actors["a"]["idle_s"] == 1.0 and actors["b"]["idle_s"] == 6.0
+
+    pool = pool_summary(calls, list(actors.values()), {"le256": 150, "le512": 50})
+    assert actors["a"]["rows"] == 150 and actors["b"]["rows"] == 50
+    assert pool["share_of_rows"] == {"a": 0.75, "b": 0.25}
+    assert pool["rows_by_bucket"] == {"le256": {"a": 100, "b": 50}, "le512": {"a": 50}}
+    assert pool["largest_bucket"] == "le256" and pool["engines_serving_largest_bucket"] == 2
+
+
+def test_annotation_calls_do_not_count_as_rows_served_twice():
+    a = actor("a", 2, 10, 1.0, 0.0, 1.0)
+    calls = [call("a", "le128", 10, a), call("a", "le128", 10, a, kind="annotations")]
+    actors = actor_summaries(calls)
+    assert pool_summary(calls, actors, {"le128": 10})["rows_by_bucket"] == {"le128": {"a": 10}}
+    assert actors[0]["rows"] == 10
