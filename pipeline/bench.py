@@ -1,36 +1,73 @@
-"""`pipeline bench`: the pipeline against raw vLLM and against its own ablations.
+"""`pipeline bench`: the pipeline against raw vLLM, Ray Data LLM and its own ablations.
 
 Every system runs in its own process on the same synthetic corpus, with the
 same model, engine settings, prompts (the job's template and chat template,
 rendered and tokenized by the job's own prepare stage) and sampling:
 
-    raw        one `LLM.generate` over all the prompts, outputs written to Parquet:
-               what a user would write instead, and the ceiling
-    pipeline   `pipeline run` as shipped: Ray Data read, buckets, the adaptive actor, the sink
-    no-bucket  the same with `bucketing.grouping: off`
-    fixed-N    the same with a fixed N rows in flight instead of adaptive sizing
+    raw           one `LLM.generate` over all the prompts, outputs written to Parquet:
+                  what a user would write instead, and the ceiling
+    ray-data-llm  Ray Data LLM (`ray.data.llm`): Parquet read, the job's prepare stage,
+                  a vLLM engine processor, Parquet write: the other way to do it on Ray
+    pipeline      `pipeline run` as shipped: Ray Data read, buckets, the adaptive actor, the sink
+    pipeline-2    the same with `hardware.num_engines: 2`: the engine pool scaling out
+    no-bucket     the same with `bucketing.grouping: off`
+    fixed-N       the same with a fixed N rows in flight instead of adaptive sizing
 
-Runs are interleaved (raw, pipeline, no-bucket, fixed..., then again) so that
-drift on the machine hits every system alike, `--repeats` times each; the
-report gives medians and the spread (min..max).
+Runs are interleaved (raw, ray-data-llm, pipeline, pipeline-2, no-bucket,
+fixed..., then again) so that drift on the machine hits every system alike,
+`--repeats` times each; the report gives medians and the spread (min..max).
 
 Two throughputs are reported. *Wall* is output tokens over the whole process,
 start-up included (Ray, about 20 s of engine start-up on CPU): what one run
-costs. *Steady* is output tokens over the time the engine was generating,
-from its first request to its last completion, gaps between batches included
-(`LLM.generate` for raw; the engine actors' active span for the pipeline):
-what the pipeline costs per token once started, which is what millions of
-rows see. The target, pipeline/raw of at least 0.95, is on steady throughput.
+costs. *Steady* is output tokens over the time the engines were generating,
+from the first request to the last completion, gaps between batches included:
+`LLM.generate` for raw; for the pipeline the pool's active span (the earliest
+first request of any engine to the latest last completion); for Ray Data LLM
+the engine's own request timestamps (first request queued to last token, from
+vLLM's per-request metrics), or its whole execution if those are missing.
+Steady is what the pipeline costs per token once started, which is what
+millions of rows see. The goals (`GOALS`) are checked on the medians.
+
+Ray Data LLM is set up as its documentation recommends for throughput, with
+what this comparison needs on top:
+
+- `batch_size` 32 and `max_concurrent_batches` 8, the documented defaults ("tuned
+  for batch sizes >= 32"): 32 x 8 = 256 rows in flight per engine, which is vLLM's
+  `max_num_seqs` on CPU. Where `max_num_seqs` is larger (GPUs), more concurrent
+  batches, at least `max_num_seqs / batch_size`, as the stage's own warning asks.
+- One engine (`concurrency` = `hardware.num_engines`, a fixed pool), like `pipeline`.
+- Pre-tokenized prompts: the chat-template and tokenize stages are off and each row
+  carries `tokenized_prompt` (the vLLM engine stage accepts it in place of `prompt`
+  and hands vLLM a `TokensPrompt`), the token ids of the job's own prepare stage,
+  run as a `map_batches` stage before the processor as the pipeline runs it.
+- Detokenizing in the engine, as raw and the pipeline do: the detokenize stage is
+  off (the documented example instead sets `detokenize=False` and detokenizes in a
+  stage of its own, one more actor on a 2-core machine for the same work).
+- The engine settings of `pipeline.plan.engine_kwargs`, plus `max_num_seqs` and
+  `max_num_batched_tokens` pinned to what `vllm.LLM` resolves for them (unless the
+  profile sets them): the processor builds its engine as `AsyncLLMEngine`, whose
+  defaults are lower (on CPU 128 and 2,048 against `LLM`'s 256 and 4,096).
+- `log_engine_metrics` off (on, its actor crashed on this CPU machine), and Ray
+  started with a logical `num_gpus=1` on CPU: the engine stage asks Ray for a GPU
+  and otherwise waits for one forever.
+- `should_continue_on_error`, so a row the prepare stage refused comes out as an
+  error row (rows in = rows out, as in the pipeline) instead of failing the job.
 
 Peak resident memory is sampled every 0.2 s: the driver process alone, and
 the sum over its descendants (Ray's workers and the engine core; for raw, the
-engine core).
+engine core). Descendants still running when a system's process exits (Ray
+Data LLM's engine actor and vLLM's workers outlived it by 15-20 s here) are
+waited for, and killed after `LINGER_GRACE_S`, before the next run starts;
+that wait is reported, not counted in the wall.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -38,6 +75,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -46,18 +84,56 @@ import psutil
 from pipeline.machine import describe
 
 REPO = Path(__file__).resolve().parents[1]
-TARGET, TARGET_ROWS = 0.95, 4000  # pipeline / raw steady throughput, from this many rows
 JOB = "jobs/nightly_summarize.yaml"
 PROFILE = "conf/local.yaml"
+OWN_PROCESS = ("raw", "ray-data-llm")  # systems this module runs itself, each in a process of its own
+POOL_BASE, POOL = "pipeline", "pipeline-2"  # the pool's speed-up is POOL over POOL_BASE
+OURS = ("pipeline", "pipeline-2")  # the systems the goals are checked for
+RAY_DATA_LLM_BATCH_SIZE = 32  # ProcessorConfig's default
+RAY_DATA_LLM_CONCURRENT_BATCHES = 8  # OfflineProcessorConfig's default
+FLAT_TOLERANCE = 0.15  # scaling: within 15% from the smallest row count to the largest is flat
+LINGER_GRACE_S = 30.0  # how long a system's leftover processes may take to exit before they are killed
+
+
+@dataclass(frozen=True)
+class Goal:
+    """A target on one ratio of medians, at the row counts the issue sets it for."""
+
+    measure: str
+    key: str  # the key in a `table_rows` row
+    higher_is_better: bool
+    targets: dict[int, float | None]  # rows -> target (None: no target at that size)
+
+    def target_for(self, rows: int) -> tuple[int, float | None]:
+        """The target that applies to a run of `rows`: the largest size at or below it,
+        else the smallest (indicative only)."""
+        sizes = sorted(self.targets)
+        at = max((s for s in sizes if s <= rows), default=sizes[0])
+        return at, self.targets[at]
+
+    def met(self, value: float, target: float) -> bool:
+        return value >= target if self.higher_is_better else value <= target
+
+
+GOALS = (
+    Goal("wall vs raw (raw wall ÷ ours)", "wall_vs_raw", True, {4000: 0.90, 16000: 0.95}),
+    Goal("our wall ÷ Ray Data LLM's wall", "wall_vs_ray_data_llm", False, {4000: 0.85, 16000: 0.80}),
+    Goal("steady output tokens/s vs raw", "steady_tok_s_vs_raw", True, {4000: 0.97, 16000: None}),
+)
+GOAL_ROWS = (4000, 16000)
 
 
 @dataclass
 class Sampled:
-    """Peak RSS of a process and of its descendants, sampled while it runs."""
+    """Peak RSS of a process and of its descendants, sampled while it runs, and what
+    it left running when it exited."""
 
     driver: int = 0
     workers: int = 0
     samples: int = 0
+    descendants: dict[int, psutil.Process] = field(default_factory=dict)  # every one seen
+    lingering: int = 0  # descendants still running when the process exited
+    lingering_s: float = 0.0  # how long until they were all gone
 
 
 def watch(proc: subprocess.Popen, peak: Sampled, stop: threading.Event, every: float = 0.2) -> None:
@@ -70,6 +146,7 @@ def watch(proc: subprocess.Popen, peak: Sampled, stop: threading.Event, every: f
             driver = root.memory_info().rss
             workers = 0
             for child in root.children(recursive=True):
+                peak.descendants.setdefault(child.pid, child)
                 try:
                     workers += child.memory_info().rss
                 except psutil.Error:
@@ -81,8 +158,32 @@ def watch(proc: subprocess.Popen, peak: Sampled, stop: threading.Event, every: f
         stop.wait(every)
 
 
-def run_process(cmd: list[str], log: Path) -> tuple[float, Sampled]:
-    """Run `cmd`, sampling its memory; (wall seconds, peaks). Raises with the log's tail on failure."""
+def outlived(procs: list[psutil.Process], grace_s: float) -> tuple[int, float]:
+    """Wait for the processes a run left behind (Ray's workers and vLLM's engine
+    processes can outlive their parents by tens of seconds), so the next run starts on
+    an idle machine; kill, by handle, any still there after `grace_s`.
+    (how many were left, seconds until all were gone)"""
+    def running(p: psutil.Process) -> bool:
+        try:
+            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    started = time.monotonic()
+    alive = [p for p in procs if running(p)]
+    _, still = psutil.wait_procs(alive, timeout=grace_s) if alive else ([], [])
+    for p in still:
+        try:
+            p.kill()
+        except psutil.Error:
+            continue
+    psutil.wait_procs(still, timeout=5.0)
+    return len(alive), round(time.monotonic() - started, 2)
+
+
+def run_process(cmd: list[str], log: Path, grace_s: float = LINGER_GRACE_S) -> tuple[float, Sampled]:
+    """Run `cmd`, sampling its memory; (wall seconds until it exits, peaks). Then wait
+    for what it left running (`outlived`). Raises with the log's tail on failure."""
     peak, stop = Sampled(), threading.Event()
     started = time.monotonic()
     with log.open("w") as out:
@@ -93,9 +194,14 @@ def run_process(cmd: list[str], log: Path) -> tuple[float, Sampled]:
     wall = time.monotonic() - started
     stop.set()
     watcher.join()
+    peak.lingering, peak.lingering_s = outlived(list(peak.descendants.values()), grace_s)
     if code != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {code}:\n{log.read_text()[-3000:]}")
     return wall, peak
+
+
+def set_args(sets: list[str]) -> list[str]:
+    return [arg for s in sets for arg in ("--set", s)]
 
 
 # --- the raw-vLLM system, run in its own process -------------------------------------
@@ -145,45 +251,275 @@ def raw_vllm(corpus: str, output: str, sets: list[str], result: str) -> None:
     }))
 
 
+# --- the Ray Data LLM system, run in its own process -----------------------------------
+
+
+def llm_batch_defaults(sets: list[str], result: str) -> None:
+    """Write the `max_num_seqs` and `max_num_batched_tokens` that `vllm.LLM` resolves for
+    this profile's engine, as `--set`s, for those the profile leaves unset. Run in a
+    process of its own, outside any timed system (it imports vLLM)."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    from pipeline.config import load_run_config
+    from pipeline.plan import engine_kwargs
+    from pipeline.runner import resolve_model
+
+    config = load_run_config(REPO / JOB, REPO / PROFILE, sets)
+    engine = config.profile.engine
+    kwargs = engine_kwargs(resolve_model(config), engine, config.job.sampling.seed)
+    scheduler = EngineArgs(**kwargs).create_engine_config(UsageContext.LLM_CLASS).scheduler_config
+    pinned = []
+    if engine.max_num_seqs is None:
+        pinned.append(f"engine.max_num_seqs={scheduler.max_num_seqs}")
+    if engine.max_num_batched_tokens is None:
+        pinned.append(f"engine.max_num_batched_tokens={scheduler.max_num_batched_tokens}")
+    Path(result).write_text(json.dumps(pinned))
+
+
+class PrepareForProcessor:
+    """The job's prepare stage as a Ray Data stage in front of the processor: the
+    corpus's own columns, the row's status and error, and its token ids as
+    `tokenized_prompt` (empty for a row the stage refused, which the engine stage
+    then fails: an error row)."""
+
+    def __init__(self, settings: Any, keep: list[str]) -> None:
+        from pipeline.stages.prepare import PrepareStage
+
+        self.stage, self.keep = PrepareStage(settings), keep
+
+    def __call__(self, batch: Any) -> Any:
+        from pipeline import schema
+
+        prepared = self.stage(batch)
+        return (prepared.select([*self.keep, "status"])
+                .append_column("prepare_error", prepared.column("error"))
+                .append_column("tokenized_prompt", prepared.column(schema.PROMPT_TOKEN_IDS)))
+
+
+def engine_request(sampling_params: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
+    """The processor's preprocess: the token ids are there already; add the sampling."""
+    return {"sampling_params": dict(sampling_params)}
+
+
+def summary_row(keep: list[str], row: dict[str, Any]) -> dict[str, Any]:
+    """The processor's postprocess: the corpus's columns, the summary, and the engine's
+    request timestamps (vLLM's monotonic clock) for the steady span."""
+    metrics = row.get("metrics") or {}
+    return {**{c: row[c] for c in keep}, "status": row["status"], "summary": row["generated_text"],
+            "output_tokens": row["num_generated_tokens"],
+            "engine_queued_ts": metrics.get("queued_ts") or None,
+            "engine_last_token_ts": metrics.get("last_token_ts") or None}
+
+
+def output_table(out_schema: Any, batch: Any) -> Any:
+    """Every block in one schema. Error rows skip the postprocess and carry the
+    processor's own columns: `status` stays the prepare stage's when it refused the
+    row (with its reason in `error`), else becomes `error` with the engine stage's."""
+    import pyarrow as pa
+
+    def column(name: str) -> list[Any]:
+        return batch.column(name).to_pylist() if name in batch.column_names else [None] * batch.num_rows
+
+    status, errors = [], []
+    for s, prepare_error, inference_error in zip(column("status"), column("prepare_error"),
+                                                 column("__inference_error__")):
+        refused = s not in (None, "ok")
+        status.append(s if refused else "error" if inference_error else "ok")
+        errors.append((prepare_error if refused else None) or inference_error or None)
+    columns = []
+    for f in out_schema:
+        if f.name in ("status", "error"):
+            columns.append(pa.array(status if f.name == "status" else errors, pa.string()))
+        elif f.name in batch.column_names:
+            columns.append(batch.column(f.name).cast(f.type))
+        else:
+            columns.append(pa.nulls(batch.num_rows, f.type))
+    return pa.Table.from_arrays(columns, schema=out_schema)
+
+
+def ray_data_llm(corpus: str, output: str, sets: list[str], result: str) -> None:
+    """Ray Data LLM as its documentation sets it up (see the module docstring): read,
+    prepare, the vLLM engine processor, write."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pipeline.config import load_run_config
+    from pipeline.plan import engine_kwargs, prepare_settings
+    from pipeline.runner import WORKER_ENV_DEFAULTS, resolve_model
+    from pipeline.stages.prepare import context_limit
+
+    # 1. The same config, model, prompts and sampling as every other system.
+    started = time.monotonic()
+    config = load_run_config(REPO / JOB, REPO / PROFILE, sets, corpus, output)
+    profile, sampling, hw = config.profile, config.job.sampling, config.profile.hardware
+    model = resolve_model(config)
+    settings = prepare_settings(config, model, context_limit(model, profile.engine.max_model_len))
+    kwargs = engine_kwargs(model, profile.engine, sampling.seed)
+    kwargs.pop("model")
+    params = {"max_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
+              "top_p": sampling.top_p, "seed": sampling.seed}
+    corpus_schema = pq.read_schema(corpus)
+    keep = list(corpus_schema.names)
+    out_schema = pa.schema([*corpus_schema, pa.field("summary", pa.string()), pa.field("output_tokens", pa.int32()),
+                            pa.field("status", pa.string()), pa.field("error", pa.string()),
+                            pa.field("engine_queued_ts", pa.float64()), pa.field("engine_last_token_ts", pa.float64())])
+
+    # 2. Ray, with the engine's environment; on CPU a logical GPU per engine for the engine stage to take.
+    import ray
+    import ray.data
+    from ray.data.llm import build_processor, vLLMEngineProcessorConfig
+
+    env = {k: os.environ.get(k, v) for k, v in WORKER_ENV_DEFAULTS.items()}
+    if profile.engine.cpu_kvcache_space_gib is not None:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(profile.engine.cpu_kvcache_space_gib)
+    ray.init(num_cpus=hw.ray_num_cpus, num_gpus=hw.num_engines if hw.accelerator == "cpu" else None,
+             include_dashboard=False, runtime_env={"env_vars": env})
+
+    # 3. The processor: pre-tokenized prompts in, engine-detokenized text out.
+    seqs = profile.engine.max_num_seqs or 0  # pinned by `llm_batch_defaults`
+    batches = max(RAY_DATA_LLM_CONCURRENT_BATCHES, math.ceil(seqs / RAY_DATA_LLM_BATCH_SIZE))
+    processor = build_processor(
+        vLLMEngineProcessorConfig(
+            model_source=model, engine_kwargs=kwargs, concurrency=(hw.num_engines, hw.num_engines),
+            batch_size=RAY_DATA_LLM_BATCH_SIZE, max_concurrent_batches=batches,
+            chat_template_stage=False, tokenize_stage=False, detokenize_stage=False,
+            should_continue_on_error=True, log_engine_metrics=False,
+        ),
+        preprocess=partial(engine_request, params),
+        postprocess=partial(summary_row, keep),
+    )
+    ds = ray.data.read_parquet(corpus).map_batches(
+        PrepareForProcessor, fn_constructor_kwargs={"settings": settings, "keep": keep},
+        batch_size=profile.batching.prepare_batch_rows, batch_format="pyarrow",
+        concurrency=hw.prepare_actors, num_cpus=1,
+    )
+    ds = processor(ds).map_batches(partial(output_table, out_schema), batch_format="pyarrow")
+
+    # 4. Run it all: the write pulls every row through.
+    run_started = time.monotonic()
+    ds.write_parquet(output)
+    execution_s = time.monotonic() - run_started
+    ray.shutdown()
+
+    # 5. What came out, read back: rows in must equal rows out.
+    written = pq.read_table(output, columns=["output_tokens", "status", "engine_queued_ts", "engine_last_token_ts"])
+    rows_in = pq.read_metadata(corpus).num_rows
+    if written.num_rows != rows_in:
+        raise RuntimeError(f"ray-data-llm: {rows_in} rows in, {written.num_rows} out")
+    rows_ok = written.column("status").to_pylist().count("ok")
+    queued = [t for t in written.column("engine_queued_ts").to_pylist() if t]
+    last = [t for t in written.column("engine_last_token_ts").to_pylist() if t]
+    steady_s = max(last) - min(queued) if queued and last else execution_s
+    Path(result).write_text(json.dumps({
+        "rows_ok": rows_ok, "rows_error": rows_in - rows_ok,
+        "output_tokens": sum(n or 0 for n in written.column("output_tokens").to_pylist()),
+        "steady_s": steady_s, "steady_from": "engine timestamps" if queued and last else "execution",
+        "execution_s": execution_s, "inner_wall_s": time.monotonic() - started, "busy_fraction": None,
+    }))
+
+
 # --- one run of each system -------------------------------------------------------------
 
 
 def pipeline_systems(fixed: list[int]) -> dict[str, list[str]]:
-    systems = {"pipeline": [], "no-bucket": ["bucketing.grouping=off"]}
+    systems = {"pipeline": [], POOL: ["hardware.num_engines=2"], "no-bucket": ["bucketing.grouping=off"]}
     for n in fixed:
         systems[f"fixed-{n}"] = [f"batching.policy={{kind: fixed, rows_per_call: {n}}}"]
     return systems
 
 
-def run_system(name: str, sets: list[str], corpus: Path, work: Path) -> dict[str, Any]:
+def choose_systems(fixed: list[int], systems: list[str] | None = None) -> dict[str, list[str]]:
+    """The systems to run, in interleaving order, each with its `--set`s. `systems`
+    names them (repeated or comma-separated); none means all. `fixed-N` may be named
+    without `--fixed N`."""
+    known = {"raw": [], "ray-data-llm": [], **pipeline_systems(fixed)}
+    names = [n.strip() for s in systems or [] for n in s.split(",") if n.strip()]
+    if not names:
+        return known
+    for n in names:
+        if n not in known:
+            if not re.fullmatch(r"fixed-[1-9][0-9]*", n):
+                raise ValueError(f"unknown system {n!r} (known: {', '.join(known)}, fixed-N)")
+            known.update(pipeline_systems([int(n.removeprefix("fixed-"))]))
+    return {k: v for k, v in known.items() if k in names}
+
+
+_PINNED_ENGINE_SETS: dict[tuple[str, ...], list[str]] = {}
+
+
+def pinned_engine_sets(sets: list[str], work: Path) -> list[str]:
+    """`llm_batch_defaults` for these `--set`s, once per process (it depends only on the
+    profile and the machine)."""
+    key = tuple(sets)
+    if key not in _PINNED_ENGINE_SETS:
+        result = work / "llm-batch-defaults.json"
+        cmd = [sys.executable, "-m", "pipeline.bench", "--llm-batch-defaults", str(result), *set_args(sets)]
+        run_process(cmd, work / "llm-batch-defaults.log")
+        _PINNED_ENGINE_SETS[key] = json.loads(result.read_text())
+    return _PINNED_ENGINE_SETS[key]
+
+
+def engine_stats(engine: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each engine's rows, share of the rows, busy fraction, idle and serving time,
+    from a run report's `engine` section; the engine with the most rows first."""
+    actors = engine.get("actors") or []
+    share = (engine.get("pool") or {}).get("share_of_rows") or {}
+    total = sum(a.get("rows", 0) for a in actors)
+    stats = [{"actor": a["actor"], "rows": a.get("rows", 0),
+              "share": share.get(a["actor"], round(a.get("rows", 0) / total, 4) if total else None),
+              "busy_fraction": a.get("busy_fraction"), "idle_s": a.get("idle_s"), "serving_s": a.get("serving_s")}
+             for a in actors]
+    return sorted(stats, key=lambda s: -s["rows"])
+
+
+def pool_span_s(actors: list[dict[str, Any]]) -> float | None:
+    """The pool's generating span: the earliest first request of any engine to the
+    latest last completion (`last_end_at` is wall-clock, `active_s` its own span).
+    With one engine it is that engine's `active_s`."""
+    spans = [(a["last_end_at"] - a["active_s"], a["last_end_at"]) for a in actors
+             if a.get("active_s") and a.get("last_end_at")]
+    if not spans:
+        return max((a.get("active_s") or 0.0 for a in actors), default=0.0) or None
+    return round(max(end for _, end in spans) - min(start for start, _ in spans), 4)
+
+
+def run_system(name: str, sets: list[str], corpus: Path, work: Path,
+               grace_s: float = LINGER_GRACE_S) -> dict[str, Any]:
+    """One run of system `name` on `corpus`, in its own process; its measurements."""
     out = work / f"{name}-out"
-    common = ["--set", "batching.learned_limits=null"]
-    if name == "raw":
+    shutil.rmtree(out, ignore_errors=True)  # every run writes a fresh output
+    if name in OWN_PROCESS:
         result = work / f"{name}.json"
-        cmd = [sys.executable, "-m", "pipeline.bench", "--raw", str(corpus), str(out), str(result)]
-        wall, peak = run_process(cmd, work / f"{name}.log")
+        if name == "ray-data-llm":
+            sets = [*pinned_engine_sets(sets, work), *sets]
+        cmd = [sys.executable, "-m", "pipeline.bench", f"--{name}", str(corpus), str(out), str(result),
+               *set_args(sets)]
+        wall, peak = run_process(cmd, work / f"{name}.log", grace_s)
         r = json.loads(result.read_text())
     else:
         cmd = [sys.executable, "-m", "pipeline", "run", JOB, "--profile", PROFILE, "--input", str(corpus),
-               "--output", str(out), *common]
-        for s in sets:
-            cmd += ["--set", s]
-        wall, peak = run_process(cmd, work / f"{name}.log")
+               "--output", str(out), *set_args(["batching.learned_limits=null", *sets])]
+        wall, peak = run_process(cmd, work / f"{name}.log", grace_s)
         report = json.loads((out / "_report.json").read_text())
-        actors = report["engine"]["actors"]
         r = {
             "rows_ok": report["status"].get("ok", 0),
             "rows_error": report["rows_out"] - report["status"].get("ok", 0),
             "output_tokens": report["tokens"]["output"],
-            "steady_s": max(a["active_s"] for a in actors) if actors else None,
+            "steady_s": pool_span_s(report["engine"]["actors"]),
             "inner_wall_s": report["wall_s"],
             "busy_fraction": report["busy_fraction"],
+            "engines": engine_stats(report["engine"]),
         }
     r.update(system=name, wall_s=round(wall, 3), peak_driver_rss_mib=round(peak.driver / 2**20, 1),
-             peak_workers_rss_mib=round(peak.workers / 2**20, 1), memory_samples=peak.samples)
+             peak_workers_rss_mib=round(peak.workers / 2**20, 1), memory_samples=peak.samples,
+             lingering_processes=peak.lingering, lingering_s=peak.lingering_s)
     r["wall_tok_s"] = round(r["output_tokens"] / wall, 2)
     r["steady_tok_s"] = round(r["output_tokens"] / r["steady_s"], 2) if r.get("steady_s") else None
     return r
+
+
+# --- medians, ratios, goals -------------------------------------------------------------
 
 
 @dataclass
@@ -199,6 +535,18 @@ class Summary:
         values = [r[key] for r in self.runs if r.get(key) is not None]
         return (min(values), max(values)) if values else None
 
+    def engines(self) -> list[dict[str, Any]]:
+        """Per engine, ranked by rows within each run: the medians over runs of its
+        share, busy fraction, idle and serving time."""
+        ranked = [r.get("engines") or [] for r in self.runs]
+        out = []
+        for rank in range(max((len(e) for e in ranked), default=0)):
+            at = [e[rank] for e in ranked if len(e) > rank]
+            med = {k: statistics.median(v) if (v := [s[k] for s in at if s.get(k) is not None]) else None
+                   for k in ("rows", "share", "busy_fraction", "idle_s", "serving_s")}
+            out.append({"engine": rank + 1, **med})
+        return out
+
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Summary]:
     out: dict[str, Summary] = {}
@@ -208,11 +556,15 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Summary]:
 
 
 KEYS = ("wall_s", "wall_tok_s", "steady_tok_s", "busy_fraction", "peak_driver_rss_mib", "peak_workers_rss_mib",
-        "rows_ok", "rows_error", "output_tokens")
+        "rows_ok", "rows_error", "output_tokens", "lingering_processes", "lingering_s")
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a and b else None
 
 
 def table_rows(summaries: dict[str, Summary]) -> list[dict[str, Any]]:
-    raw = summaries.get("raw")
+    raw, rdl = summaries.get("raw"), summaries.get("ray-data-llm")
     rows = []
     for name, s in summaries.items():
         row: dict[str, Any] = {"system": name, "runs": len(s.runs)}
@@ -220,20 +572,140 @@ def table_rows(summaries: dict[str, Summary]) -> list[dict[str, Any]]:
             row[key] = s.median(key)
             row[key + "_range"] = s.spread(key)
         for key in ("wall_tok_s", "steady_tok_s"):
-            base = raw.median(key) if raw else None
-            row[key + "_vs_raw"] = round(row[key] / base, 3) if base and row[key] else None
+            row[key + "_vs_raw"] = _ratio(row[key], raw.median(key) if raw else None)
+        row["wall_vs_raw"] = _ratio(raw.median("wall_s") if raw else None, row["wall_s"])
+        row["wall_vs_ray_data_llm"] = _ratio(row["wall_s"], rdl.median("wall_s") if rdl else None)
+        row["engines"] = s.engines()
         rows.append(row)
     return rows
+
+
+def pool_speedup(rows: list[dict[str, Any]], base: str = POOL_BASE, pool: str = POOL) -> dict[str, Any] | None:
+    """The pool's speed-up over one engine, from medians: wall (base wall ÷ pool wall)
+    and steady (pool steady tok/s ÷ base steady tok/s); above 1 is faster."""
+    by = {r["system"]: r for r in rows}
+    if base not in by or pool not in by:
+        return None
+    return {"base": base, "pool": pool, "wall": _ratio(by[base]["wall_s"], by[pool]["wall_s"]),
+            "steady": _ratio(by[pool]["steady_tok_s"], by[base]["steady_tok_s"])}
+
+
+def goal_verdicts(rows: list[dict[str, Any]], n_rows: int) -> list[dict[str, Any]]:
+    """Each goal for each of our systems in `rows`: the measured ratio of medians, the
+    target for a run of `n_rows`, and met, missed, or None (no measure or no target)."""
+    by = {r["system"]: r for r in rows}
+    out = []
+    for goal in GOALS:
+        at, target = goal.target_for(n_rows)
+        for system in (s for s in OURS if s in by):
+            value = by[system].get(goal.key)
+            verdict = None if value is None or target is None else ("met" if goal.met(value, target) else "missed")
+            out.append({"measure": goal.measure, "system": system, "value": value, "target_rows": at,
+                        "target": target, "verdict": verdict})
+    return out
+
+
+def trend(points: list[tuple[int, float | None]], tolerance: float = FLAT_TOLERANCE
+          ) -> tuple[str, float] | None:
+    """From the smallest row count to the largest: ('flat' | 'falling' | 'growing', ratio)."""
+    known = sorted((n, v) for n, v in points if v)
+    if len(known) < 2:
+        return None
+    ratio = known[-1][1] / known[0][1]
+    word = "flat" if abs(ratio - 1) <= tolerance else ("falling" if ratio < 1 else "growing")
+    return word, round(ratio, 3)
+
+
+# --- the report -------------------------------------------------------------------------
 
 
 def _fmt(v: Any, spec: str = ",.0f") -> str:
     return "-" if v is None else format(v, spec)
 
 
+def _target(goal: Goal, rows: int) -> str:
+    t = goal.targets.get(rows)
+    return "(none)" if t is None else f"{'≥' if goal.higher_is_better else '≤'} {t:.2f}"
+
+
+def goals_markdown(result: dict[str, Any]) -> list[str]:
+    n = result["rows"]
+    verdicts = goal_verdicts(result["systems"], n)
+    ours = [s for s in OURS if any(v["system"] == s for v in verdicts)]
+    if not ours:
+        return []
+    at = GOALS[0].target_for(n)[0]
+    scope = (f"this run has {n:,} rows, so the targets at {at:,} rows apply"
+             + ("" if n >= min(GOAL_ROWS) else f" (indicative only: they are set for {min(GOAL_ROWS):,} rows and up)"))
+    lines = ["", "## Goals", "",
+             f"Ratios of medians; {scope}. The first is raw's wall ÷ ours (higher is better), "
+             "the second ours ÷ Ray Data LLM's (lower is better).", "",
+             "| measure | " + " | ".join(f"target at {r:,} rows" for r in GOAL_ROWS) + " | "
+             + " | ".join(ours) + " |",
+             "| --- | " + " | ".join(":---:" for _ in GOAL_ROWS) + " | " + " | ".join("---:" for _ in ours) + " |"]
+    for goal in GOALS:
+        cells = []
+        for system in ours:
+            v = next(v for v in verdicts if v["system"] == system and v["measure"] == goal.measure)
+            word = {"met": "**met**", "missed": "**missed**", None: "no target" if v["value"] is not None else ""}
+            cells.append(f"{_fmt(v['value'], '.3f')} {word[v['verdict']]}".strip())
+        lines.append(f"| {goal.measure} | " + " | ".join(_target(goal, r) for r in GOAL_ROWS) + " | "
+                     + " | ".join(cells) + " |")
+    return lines
+
+
+def pool_markdown(result: dict[str, Any]) -> list[str]:
+    pools = [r for r in result["systems"] if r.get("engines")]
+    if not pools:
+        return []
+    lines = ["", "## The engine pool", "",
+             "Engines ranked by rows served in each run; medians over runs.", "",
+             "| system | engine | rows | share of rows | busy fraction | idle s | serving s |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in pools:
+        for e in r["engines"]:
+            lines.append(f"| {r['system']} | {e['engine']} | {_fmt(e['rows'])} | {_fmt(e['share'], '.3f')} | "
+                         f"{_fmt(e['busy_fraction'], '.3f')} | {_fmt(e['idle_s'], ',.1f')} | "
+                         f"{_fmt(e['serving_s'], ',.1f')} |")
+    speedup = result.get("pool_speedup")
+    if speedup:
+        lines += ["", f"Speed-up of {speedup['pool']} over {speedup['base']}: wall "
+                      f"**×{_fmt(speedup['wall'], '.3f')}** ({speedup['base']} wall ÷ {speedup['pool']} wall), "
+                      f"steady **×{_fmt(speedup['steady'], '.3f')}** (steady output tokens/s)."]
+    return lines
+
+
+def scaling_markdown(scaling: list[dict[str, Any]]) -> list[str]:
+    if not scaling:
+        return []
+    lines = ["", "## Scaling: the full pipeline at growing row counts", "",
+             "| rows | wall s | wall s per 1,000 rows | steady s per 1,000 rows | driver RSS MiB | workers RSS MiB |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for s in scaling:
+        lines.append(f"| {s['rows']:,} | {s['wall_s']:,.1f} | {s['wall_s_per_1k']:,.2f} | "
+                     f"{_fmt(s['steady_s_per_1k'], ',.2f')} | {s['peak_driver_rss_mib']:,.0f} | "
+                     f"{_fmt(s.get('peak_workers_rss_mib'))} |")
+    lines.append("")
+    for key, what, spec in (("steady_s_per_1k", "Steady s per 1,000 rows", ",.2f"),
+                            ("peak_driver_rss_mib", "Peak driver RSS (MiB)", ",.0f"),
+                            ("peak_workers_rss_mib", "Peak workers RSS (MiB)", ",.0f")):
+        points = [(s["rows"], s.get(key)) for s in scaling]
+        t = trend(points)
+        if t is None:
+            lines.append(f"- {what}: too few measurements to tell.")
+            continue
+        known = sorted((n, v) for n, v in points if v)
+        (n0, v0), (n1, v1) = known[0], known[-1]
+        lines.append(f"- {what}: {format(v0, spec)} at {n0:,} rows, {format(v1, spec)} at {n1:,} rows "
+                     f"(×{t[1]:.2f}): **{t[0]}**.")
+    lines += ["", f"Flat: the largest row count within ±{FLAT_TOLERANCE:.0%} of the smallest."]
+    return lines
+
+
 def markdown(result: dict[str, Any]) -> str:
     m = result["machine"]
     lines = [
-        f"# Benchmark: the pipeline against raw vLLM ({result['rows']:,} rows)",
+        f"# Benchmark: the pipeline against raw vLLM and Ray Data LLM ({result['rows']:,} rows)",
         "",
         f"{result['finished_at']} · {m['cpu']} ({', '.join(m.get('cpu_flags') or ['no AVX2/AVX-512'])}), "
         f"{m['cores']} cores, {m['memory_gib']} GiB · "
@@ -241,8 +713,9 @@ def markdown(result: dict[str, Any]) -> str:
         f"model {result['model']}, {result['max_new_tokens']} new tokens per row · "
         f"{result['repeats']} interleaved runs per system; medians, with the range (min..max) beneath.",
         "",
-        "| system | wall s | wall tok/s | steady tok/s | steady vs raw | busy | rows ok / error | driver RSS MiB | workers RSS MiB |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| system | wall s | raw wall ÷ wall | wall tok/s | steady tok/s | steady vs raw | busy | rows ok / error "
+        "| driver RSS MiB | workers RSS MiB |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in result["systems"]:
         def cell(key: str, spec: str = ",.0f") -> str:
@@ -250,25 +723,22 @@ def markdown(result: dict[str, Any]) -> str:
             span = "" if not rng or rng[0] == rng[1] else f"<br>{_fmt(rng[0], spec)}..{_fmt(rng[1], spec)}"
             return _fmt(r[key], spec) + span
         lines.append(
-            f"| {r['system']} | {cell('wall_s', ',.1f')} | {cell('wall_tok_s')} | {cell('steady_tok_s')} | "
+            f"| {r['system']} | {cell('wall_s', ',.1f')} | {_fmt(r.get('wall_vs_raw'), '.3f')} | "
+            f"{cell('wall_tok_s')} | {cell('steady_tok_s')} | "
             f"{_fmt(r['steady_tok_s_vs_raw'], '.3f')} | {cell('busy_fraction', '.3f')} | "
             f"{_fmt(r['rows_ok'], ',.0f')} / {_fmt(r['rows_error'], ',.0f')} | {cell('peak_driver_rss_mib')} | "
             f"{cell('peak_workers_rss_mib')} |"
         )
-    pipeline = next((r for r in result["systems"] if r["system"] == "pipeline"), None)
-    if pipeline and pipeline.get("steady_tok_s_vs_raw") is not None:
-        ratio = pipeline["steady_tok_s_vs_raw"]
-        verdict = "met" if ratio >= TARGET else "missed"
-        scope = "" if result["rows"] >= TARGET_ROWS else f" (the target applies from {TARGET_ROWS:,} rows)"
-        lines += ["", f"Target: pipeline ÷ raw ≥ {TARGET} in steady output tokens/s: **{ratio:.3f}, {verdict}**{scope}."]
-    if result.get("scaling"):
-        lines += ["", "## Scaling: the full pipeline at growing row counts", "",
-                  "| rows | wall s | wall s per 1,000 rows | steady s per 1,000 rows | driver RSS MiB |",
-                  "| ---: | ---: | ---: | ---: | ---: |"]
-        for s in result["scaling"]:
-            lines.append(f"| {s['rows']:,} | {s['wall_s']:,.1f} | {s['wall_s_per_1k']:,.2f} | "
-                         f"{_fmt(s['steady_s_per_1k'], ',.2f')} | {s['peak_driver_rss_mib']:,.0f} |")
-    lines += ["", "Wall: the whole process, start-up included. Steady: output tokens over the engine's "
+    left = [r for r in result["systems"] if r.get("lingering_processes")]
+    if left:
+        lines += ["", "Processes that outlived their system's process (waited for, then killed after "
+                      f"{LINGER_GRACE_S:.0f} s, before the next run; not in its wall): "
+                  + ", ".join(f"{r['system']} {r['lingering_processes']:.0f}, gone after {r['lingering_s']:.1f} s"
+                              for r in left) + " (medians)."]
+    lines += goals_markdown(result)
+    lines += pool_markdown(result)
+    lines += scaling_markdown(result.get("scaling") or [])
+    lines += ["", "Wall: the whole process, start-up included. Steady: output tokens over the engines' "
               "generating span (first request to last completion, gaps between batches included). "
               "Written by `pipeline bench`; see pipeline/bench.py for what each system runs.", ""]
     return "\n".join(lines)
@@ -276,13 +746,16 @@ def markdown(result: dict[str, Any]) -> str:
 
 def bench(rows: int, repeats: int, fixed: list[int], out: Path, scaling: list[int] | None = None,
           systems: list[str] | None = None, log=print) -> dict[str, Any]:
+    import click
+
     from pipeline.config import load_run_config
     from pipeline.dev.corpus import write_corpus
 
     config = load_run_config(REPO / JOB, REPO / PROFILE)
-    chosen = {"raw": [], **pipeline_systems(fixed)}
-    if systems:
-        chosen = {k: v for k, v in chosen.items() if k in systems}
+    try:
+        chosen = choose_systems(fixed, systems)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from e
     runs: list[dict[str, Any]] = []
     scale: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="pipeline-bench-") as tmp:
@@ -293,7 +766,7 @@ def bench(rows: int, repeats: int, fixed: list[int], out: Path, scaling: list[in
                 r = run_system(name, sets, corpus, work)
                 r["repeat"] = rep
                 runs.append(r)
-                log(f"  {rep + 1}/{repeats} {name:>10}: wall {r['wall_s']:6.1f} s · steady "
+                log(f"  {rep + 1}/{repeats} {name:>12}: wall {r['wall_s']:6.1f} s · steady "
                     f"{_fmt(r['steady_tok_s'])} tok/s · wall {r['wall_tok_s']:,.0f} tok/s · "
                     f"driver {r['peak_driver_rss_mib']:,.0f} MiB")
         for n in scaling or []:
@@ -303,12 +776,15 @@ def bench(rows: int, repeats: int, fixed: list[int], out: Path, scaling: list[in
                           "steady_s_per_1k": round(r["steady_s"] / n * 1000, 3) if r.get("steady_s") else None,
                           "peak_driver_rss_mib": r["peak_driver_rss_mib"],
                           "peak_workers_rss_mib": r["peak_workers_rss_mib"], "output_tokens": r["output_tokens"]})
-            log(f"  scaling {n:>6} rows: wall {r['wall_s']:.1f} s · driver {r['peak_driver_rss_mib']:,.0f} MiB")
+            log(f"  scaling {n:>6} rows: wall {r['wall_s']:.1f} s · driver {r['peak_driver_rss_mib']:,.0f} MiB · "
+                f"workers {r['peak_workers_rss_mib']:,.0f} MiB")
+    table = table_rows(summarize(runs))
     result = {
         "rows": rows, "repeats": repeats, "model": config.profile.model.name,
         "max_new_tokens": config.job.sampling.max_new_tokens, "job": JOB, "profile": PROFILE,
         "finished_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": describe(),
-        "systems": table_rows(summarize(runs)), "runs": runs, "scaling": scale,
+        "systems": table, "goals": goal_verdicts(table, rows), "pool_speedup": pool_speedup(table),
+        "runs": runs, "scaling": scale,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=2))
@@ -316,9 +792,31 @@ def bench(rows: int, repeats: int, fixed: list[int], out: Path, scaling: list[in
     return result
 
 
-if __name__ == "__main__":
-    # The raw system's own process: python -m pipeline.bench --raw CORPUS OUTPUT RESULT
-    if len(sys.argv) == 5 and sys.argv[1] == "--raw":
-        raw_vllm(sys.argv[2], sys.argv[3], [], sys.argv[4])
+def _main(argv: list[str]) -> None:
+    """The own-process entries, each with optional `--set K=V` after its paths:
+    python -m pipeline.bench --raw|--ray-data-llm CORPUS OUTPUT RESULT
+    python -m pipeline.bench --llm-batch-defaults RESULT"""
+    usage = ("usage: python -m pipeline.bench --raw|--ray-data-llm CORPUS OUTPUT RESULT [--set K=V ...] | "
+             "--llm-batch-defaults RESULT [--set K=V ...] (use `pipeline bench`)")
+    if not argv:
+        raise SystemExit(usage)
+    kind = argv[0]
+    paths = 3 if kind in ("--raw", "--ray-data-llm") else 1 if kind == "--llm-batch-defaults" else None
+    if paths is None or len(argv) < 1 + paths:
+        raise SystemExit(usage)
+    rest = argv[1 + paths:]
+    if len(rest) % 2 or any(flag != "--set" for flag in rest[::2]):
+        raise SystemExit(usage)
+    sets = rest[1::2]
+    if kind == "--llm-batch-defaults":
+        llm_batch_defaults(sets, argv[1])
     else:
-        raise SystemExit("usage: python -m pipeline.bench --raw CORPUS OUTPUT RESULT (use `pipeline bench`)")
+        (raw_vllm if kind == "--raw" else ray_data_llm)(argv[1], argv[2], sets, argv[3])
+
+
+if __name__ == "__main__":
+    # Through the package's module, not __main__, so Ray pickles the processor's
+    # functions and the prepare class by reference and every worker imports them.
+    from pipeline.bench import _main as main
+
+    main(sys.argv[1:])

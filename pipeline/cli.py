@@ -241,25 +241,29 @@ def tune(job: Path, profile: Path, input_path: str | None, sample: int, buckets:
               help="Rows of the synthetic corpus every system runs on.")
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(1),
               help="Interleaved runs per system; the table shows medians and ranges.")
-@click.option("--fixed", "fixed", multiple=True, type=click.IntRange(1), default=(64,), show_default=True,
-              help="Fixed batch sizes (rows in flight) to run as ablations; repeatable.")
+@click.option("--fixed", "fixed", multiple=True, type=click.IntRange(1), default=(),
+              help="Fixed batch sizes (rows in flight) to run as ablations; repeatable (none by default).")
 @click.option("--system", "systems", multiple=True,
-              help="Run only these systems (raw, pipeline, no-bucket, fixed-N); repeatable.")
+              help="Run only these systems (raw, ray-data-llm, pipeline, pipeline-2, no-bucket, fixed-N); "
+                   "repeatable or comma-separated.")
 @click.option("--scaling", is_flag=True,
-              help="Also run the full pipeline at 1k, 4k and 16k rows: time per 1,000 rows, peak driver memory.")
+              help="Also run the full pipeline at 1k, 4k and 16k rows: time per 1,000 rows, peak driver and "
+                   "worker memory.")
 @click.option("--scaling-rows", default="1000,4000,16000", show_default=True,
               help="The row counts --scaling runs, comma-separated.")
 @click.option("--out", default="bench/results/pipeline_vs_raw", show_default=True,
               help="Results as OUT.md and OUT.json.")
 def bench(rows: int, repeats: int, fixed: tuple[int, ...], systems: tuple[str, ...], scaling: bool,
           scaling_rows: str, out: str) -> None:
-    """The pipeline against raw vLLM (one LLM.generate) and against its own ablations.
+    """The pipeline against raw vLLM, Ray Data LLM, and its own ablations.
 
-    Runs raw vLLM, the full pipeline, the pipeline with bucketing off and at
-    fixed batch sizes on the same synthetic corpus, model, prompts and
-    sampling (jobs/nightly_summarize.yaml on conf/local.yaml), interleaved,
-    --repeats times each. Writes a Markdown table and JSON with the machine's
-    details. See pipeline/bench.py for what is measured.
+    Runs raw vLLM (one LLM.generate), Ray Data LLM (its vLLM processor), the
+    full pipeline with one engine and with two, the pipeline with bucketing off
+    and, when asked, at fixed batch sizes, on the same synthetic corpus, model,
+    prompts and sampling (jobs/nightly_summarize.yaml on conf/local.yaml),
+    interleaved, --repeats times each. Writes a Markdown table with the goals
+    met or missed, and JSON with the machine's details. See pipeline/bench.py
+    for what is measured.
     """
     from pipeline.bench import bench as run_bench
 
