@@ -1,0 +1,183 @@
+"""The job on a real multi-node Ray cluster: two nodes on this machine, each a raylet
+with its own object store, and the driver joining them by address as it would a
+cluster of machines (`hardware.ray_address`).
+
+One run through the CLI, shared by the tests: two engines, one per node
+(`hardware.engines_per_node: 1`), on a corpus whose largest bucket spans several
+blocks. It shows what a cluster adds to a local run: the engines are placed on
+different nodes, both serve the largest bucket, no call mixes buckets, and the
+workers run the package the runtime_env shipped (`py_modules`), not a copy they
+found on the node.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from pipeline.dev.corpus import write_corpus
+from tests.conftest import REPO
+from tests.integration.conftest import JobRun, read_run, run_cli
+
+pytestmark = pytest.mark.integration
+
+NODES = 2
+NODE_CPUS = 3  # logical: one engine, the prepare actor and reads per node never starve
+OBJECT_STORE_BYTES = 400 * 1024**2  # per node; the corpus is a few MB
+ROWS = 240
+BLOCK_ROWS = 32  # batching.generate_batch_rows: the largest bucket is several blocks
+MAX_NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Any]:
+    """A Ray cluster of `NODES` nodes started by this test, and stopped by it whether the
+    tests pass or not: exactly the processes it started (`Cluster.shutdown`, then the
+    workers that ran under its raylets). Should pytest itself be killed, the nodes go
+    with it (Ray ties each process it starts to its parent's life on Linux).
+
+    Its temp dir is its own (RAY_TMPDIR): `Cluster` records its address in
+    `<temp>/ray/ray_current_cluster`, where a plain `ray.init()` elsewhere on this
+    machine would find it and join it instead of starting its own. The dir is short,
+    since Ray's Unix sockets live under it (paths of at most 107 bytes)."""
+    from ray.cluster_utils import Cluster
+
+    ray_tmp = tempfile.mkdtemp(prefix="rc-", dir="/tmp")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RAY_TMPDIR", ray_tmp)
+        cluster = Cluster()
+        try:
+            for _ in range(NODES):
+                cluster.add_node(num_cpus=NODE_CPUS, object_store_memory=OBJECT_STORE_BYTES,
+                                 include_dashboard=False)
+            cluster.wait_for_nodes()
+            yield cluster
+        finally:
+            workers = raylet_descendants(cluster)
+            cluster.shutdown()
+            end_processes(workers)
+            shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def raylet_descendants(cluster: Any) -> list[psutil.Process]:
+    """Every process under this cluster's raylets: Ray's workers and what they started
+    (vLLM's engine core). `Cluster.shutdown` stops the raylets, GCS and agents, not these."""
+    from ray._private import ray_constants
+
+    found: list[psutil.Process] = []
+    for node in cluster.list_all_nodes():
+        for info in node.all_processes.get(ray_constants.PROCESS_TYPE_RAYLET, []):
+            try:
+                found += psutil.Process(info.process.pid).children(recursive=True)
+            except psutil.Error:
+                pass  # a raylet already gone: its workers are past finding
+    return found
+
+
+def end_processes(processes: list[psutil.Process], grace_s: float = 5.0) -> None:
+    """Give workers whose raylet is gone `grace_s` to notice and exit, then terminate the
+    rest, then kill what is left. psutil checks each process's start time, so a reused
+    pid is never signalled."""
+    _, alive = psutil.wait_procs(processes, timeout=grace_s)
+    for stop in (psutil.Process.terminate, psutil.Process.kill):
+        for p in alive:
+            try:
+                stop(p)
+            except psutil.NoSuchProcess:
+                pass  # exited in between
+        _, alive = psutil.wait_procs(alive, timeout=10)
+
+
+@pytest.fixture(scope="module")
+def cluster_run(cluster, tiny_model, tmp_path_factory) -> JobRun:
+    tmp = tmp_path_factory.mktemp("cluster")
+    corpus = write_corpus(tmp / "in" / "corpus.parquet", rows=ROWS, seed=5)
+    sets = (
+        "--set", f"hardware.ray_address={cluster.address}",
+        "--set", "hardware.num_engines=2",
+        "--set", "hardware.engines_per_node=1",
+        "--set", f"model.name={tiny_model}",
+        "--set", f"sampling.max_new_tokens={MAX_NEW_TOKENS}",
+        "--set", f"batching.generate_batch_rows={BLOCK_ROWS}",
+        "--set", "batching.learned_limits=null",  # no state carried between test runs
+    )
+    # The child inherits RAY_TMPDIR while the cluster is up: the driver keeps to its temp dir too.
+    result = run_cli(REPO / "jobs/nightly_summarize.yaml", REPO / "conf/local.yaml",
+                     "--input", str(corpus), "--output", str(tmp / "out"), *sets)
+    run = read_run(tmp / "out", corpus, result)
+    run.sets = sets
+    return run
+
+
+def test_every_input_id_comes_out_exactly_once(cluster_run):
+    ids = cluster_run.written.column("id").to_pylist()
+    assert Counter(ids) == Counter(cluster_run.corpus.column("id").to_pylist())
+    assert len(ids) == ROWS
+    assert cluster_run.report["status"] == {"ok": ROWS}
+
+
+def test_engines_run_on_different_nodes(cluster, cluster_run):
+    actors = cluster_run.report["engine"]["actors"]
+    assert len(actors) == 2
+    nodes = {a["node"] for a in actors}
+    assert len(nodes) == 2, actors
+    assert nodes <= {n.node_id for n in cluster.list_all_nodes()}
+
+
+def test_both_engines_serve_the_largest_bucket(cluster_run):
+    pool = cluster_run.report["engine"]["pool"]
+    rows = Counter(cluster_run.written.column("bucket").to_pylist())
+    largest = pool["largest_bucket"]
+    assert rows[largest] == max(rows.values())
+    # The premise: the bucket is several blocks, so both engines could get some.
+    assert rows[largest] > 2 * BLOCK_ROWS
+    assert pool["engines_serving_largest_bucket"] == 2
+    served = pool["rows_by_bucket"][largest]
+    assert len(served) == 2 and all(n > 0 for n in served.values())
+    assert sum(served.values()) == rows[largest]
+
+
+def test_every_engine_call_is_bucket_pure(cluster_run):
+    calls = cluster_run.report["engine_calls"]
+    assert calls
+    for c in calls:
+        assert len(c["buckets"]) <= 1, c
+        if c.get("kind") == "rows":
+            assert c["buckets"] == [c["bucket"]], c
+    assert {c["actor"] for c in calls} == {a["actor"] for a in cluster_run.report["engine"]["actors"]}
+
+
+def test_workers_import_the_shipped_package(cluster_run):
+    """With `hardware.ray_address`, the runtime_env's py_modules carries this package to
+    every node: each engine imports the copy Ray unpacked in its session's
+    runtime_resources. Not the checkout at the driver's working directory (the CLI runs
+    in the repository root), which Ray puts first on every worker's sys.path unless the
+    job has a working_dir, so a node holding any checkout at that path would run it."""
+    checkout = str(REPO / "pipeline")
+    for a in cluster_run.report["engine"]["actors"]:
+        assert "runtime_resources" in a["package_path"], f"engine {a['actor']} imported {a['package_path']}"
+        assert a["package_path"] != checkout
+        assert Path(a["package_path"]).name == "pipeline"
+
+
+def test_more_engines_than_nodes_fails_clearly(cluster, tiny_model, tmp_path):
+    """One engine per node, three engines, two nodes: the run stops before any engine
+    starts, says what could not be placed and what the cluster has, and writes nothing."""
+    corpus = write_corpus(tmp_path / "c.parquet", rows=20, seed=1)
+    result = run_cli(REPO / "jobs/nightly_summarize.yaml", REPO / "conf/local.yaml",
+                     "--input", str(corpus), "--output", str(tmp_path / "out"),
+                     "--set", f"hardware.ray_address={cluster.address}", "--set", "hardware.num_engines=3",
+                     "--set", "hardware.engines_per_node=1", "--set", "hardware.placement_timeout_s=5",
+                     "--set", f"model.name={tiny_model}", "--set", "batching.learned_limits=null")
+    last = result.stderr.strip().splitlines()[-1]
+    assert result.returncode == 1 and last.startswith("error:"), result.stderr[-2000:]
+    assert "3 engines" in last and "could not be placed in 5 s" in last and "2 nodes" in last
+    assert "CPUs per node [3.0, 3.0]" in last
+    assert not (tmp_path / "out").exists()
