@@ -242,9 +242,11 @@ class EngineFeeder:
                 break  # its next row does not fit: later calls wait their turn
         if idle:
             self._mark = time.monotonic()  # busy from the first row in, not from the last call out
-        waiting = any(c.queue for c in calls)
         for c in calls:
-            if not waiting and len(self.in_flight) < c.max_rows and c.window is not None:
+            # A call whose last rows are in, fewer than its bucket may have: its window says
+            # little about what the bucket can take (the next call's rows fill the engine,
+            # and its own window measures them), so the policy does not learn from it.
+            if not c.queue and c.in_flight < c.max_rows and c.window is not None:
                 c.window.drained = True
 
     # 2. Recovery from a failed step ----------------------------------------------------

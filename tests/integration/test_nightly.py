@@ -32,7 +32,7 @@ def test_rerunning_a_date_replaces_its_partition_and_leaves_the_others(job_run, 
     result = run_cli(
         REPO / "jobs/nightly_summarize.yaml", job_run.profile, "--date", DATE,
         "--input", str(in_root / "dt={date}"), "--output", str(out_root / "dt={date}"), *job_run.sets,
-        "--set", "sampling.max_new_tokens=4",
+        "--set", "sampling.max_new_tokens=4", "--set", "debug.slow_prepare_s=0", "--set", "hardware.num_engines=1",
     )
     assert result.returncode == 0, result.stderr[-3000:]
     day = out_root / f"dt={DATE}"
