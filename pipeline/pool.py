@@ -5,9 +5,12 @@ engines start together, and what every node needs to run them.
   `engine.tensor_parallel_size` GPUs. With `tensor_parallel_size > 1` those GPUs are
   one placement-group bundle, so they sit on one node, and vLLM's workers run as
   processes inside the actor on them.
-- Placement: `hardware.engines_per_node: 1` puts each engine's bundle on a node of its
-  own (STRICT_SPREAD); more spreads them best effort (SPREAD). Without either, no
-  placement group: Ray puts each engine where it has room (one per GPU on GPUs).
+- Placement: the engines' resources are reserved first, as one placement group with a
+  bundle per engine, so the tasks that read, tokenize and check the input never hold
+  what an engine needs while it waits to start (measured here: a concurrent id check
+  held the engine's start back 9 s). `hardware.engines_per_node: 1` puts each bundle on
+  a node of its own (STRICT_SPREAD); more spreads them best effort (SPREAD); otherwise
+  PACK, best effort (one engine per GPU on GPUs, wherever Ray finds room).
 - Start-up: engines wait for each other (`PoolGate`), up to
   `hardware.pool_start_timeout_s`, before they take blocks. Ray Data hands blocks to
   the actors that are up; on a small corpus the first engine would otherwise take them all.
@@ -38,8 +41,8 @@ class EngineResources:
 
     num_cpus: float
     num_gpus: float
-    bundle: dict[str, float] | None  # its placement-group bundle, when there is a group
-    strategy: str | None  # the group's strategy: STRICT_SPREAD, SPREAD or PACK
+    bundle: dict[str, float]  # its placement-group bundle
+    strategy: str  # the group's strategy: STRICT_SPREAD, SPREAD or PACK
 
 
 def engine_resources(hw: HardwareConfig, tensor_parallel_size: int = 1) -> EngineResources:
@@ -47,8 +50,6 @@ def engine_resources(hw: HardwareConfig, tensor_parallel_size: int = 1) -> Engin
         raise ValueError(f"engine.tensor_parallel_size: {tensor_parallel_size} needs hardware.accelerator: gpu "
                          "(vLLM's CPU backend runs one engine per actor)")
     gpus = float(tensor_parallel_size) if hw.accelerator == "gpu" else 0.0
-    if hw.engines_per_node is None and tensor_parallel_size == 1:
-        return EngineResources(hw.engine_num_cpus, gpus, None, None)
     bundle = {"CPU": float(hw.engine_num_cpus), **({"GPU": gpus} if gpus else {})}
     strategy = {None: "PACK", 1: "STRICT_SPREAD"}.get(hw.engines_per_node, "SPREAD")
     return EngineResources(hw.engine_num_cpus, gpus, bundle, strategy)
@@ -139,21 +140,21 @@ class EnginePool:
         import ray
         from ray.util.placement_group import placement_group
 
-        if self.resources.bundle is not None:
-            self.group = placement_group([self.resources.bundle] * self.hw.num_engines,
-                                         strategy=self.resources.strategy)
-            timeout = self.hw.placement_timeout_s
-            ready, _ = ray.wait([self.group.ready()], timeout=timeout)
-            if not ready:
-                cpus = [n.get("Resources", {}).get("CPU", 0) for n in ray.nodes() if n.get("Alive")]
-                gpus = [n.get("Resources", {}).get("GPU", 0) for n in ray.nodes() if n.get("Alive")]
-                self.close()
-                raise RuntimeError(
-                    f"{self.hw.num_engines} engines of {self.resources.bundle} each ({self.resources.strategy}) "
-                    f"could not be placed in {timeout:.0f} s: the cluster has {len(cpus)} nodes "
-                    f"(CPUs per node {cpus}, GPUs per node {gpus}). Lower hardware.num_engines, or drop "
-                    "hardware.engines_per_node."
-                )
+        # Always: the engines' resources are taken before anything else runs.
+        self.group = placement_group([self.resources.bundle] * self.hw.num_engines,
+                                     strategy=self.resources.strategy)
+        timeout = self.hw.placement_timeout_s
+        ready, _ = ray.wait([self.group.ready()], timeout=timeout)
+        if not ready:
+            cpus = [n.get("Resources", {}).get("CPU", 0) for n in ray.nodes() if n.get("Alive")]
+            gpus = [n.get("Resources", {}).get("GPU", 0) for n in ray.nodes() if n.get("Alive")]
+            self.close()
+            raise RuntimeError(
+                f"{self.hw.num_engines} engines of {self.resources.bundle} each ({self.resources.strategy}) "
+                f"could not be placed in {timeout:.0f} s: the cluster has {len(cpus)} nodes "
+                f"(CPUs per node {cpus}, GPUs per node {gpus}). Lower hardware.num_engines, or drop "
+                "hardware.engines_per_node."
+            )
         self.gate = PoolGate(self.hw.num_engines, self.hw.pool_start_timeout_s)
 
     def actor_options(self) -> dict[str, Any]:

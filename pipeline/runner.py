@@ -278,7 +278,8 @@ def check_unique_ids(inputs: Any, id_column: str, where: str) -> dict[str, Any]:
             f"{where}: {repeated} ids occur more than once in column {id_column!r}, "
             f"e.g. {', '.join(map(repr, examples))}; ids must be unique so every row can be accounted for"
         )
-    checks: dict[str, Any] = {"pass": f"read column {id_column!r}, distributed", "seconds": round(time.monotonic() - t, 3)}
+    checks: dict[str, Any] = {"pass": f"read column {id_column!r} on the cluster",
+                              "seconds": round(time.monotonic() - t, 3)}
     if inputs.format == "hub":
         checks["pass"] = "skipped: a streamed hub dataset would be read twice"
     return checks

@@ -136,3 +136,20 @@ def test_reading_a_parent_folder_skips_staging_and_underscore_folders(tmp_path):
     # Named outright, a hidden folder is read: the user asked for it.
     _, files = list_files(str(root / ".git" / "objects"))
     assert len(files) == 1
+
+
+def test_duplicate_ids_across_parquet_files_are_found_on_the_cluster(tmp_path):
+    """Split by a hash of the id and counted per split in Ray tasks: a repeat in another file
+    lands in the same split. Nulls are not ids."""
+    import ray
+
+    pq.write_table(pa.table({"id": ["a", "b", "c", None], "text": ["t"] * 4}), tmp_path / "1.parquet")
+    pq.write_table(pa.table({"id": ["d", "a", "e", "b", None], "text": ["t"] * 5}), tmp_path / "2.parquet")
+    pq.write_table(pa.table({"id": ["f", "g"], "text": ["t"] * 2}), tmp_path / "3.parquet")
+    ray.init(num_cpus=2, include_dashboard=False)
+    try:
+        repeated, examples = duplicate_ids(check_inputs(str(tmp_path), "id", "text", set()), "id")
+        assert (repeated, sorted(examples)) == (2, ["a", "b"])
+        assert duplicate_ids(check_inputs(str(tmp_path / "3.parquet"), "id", "text", set()), "id") == (0, [])
+    finally:
+        ray.shutdown()

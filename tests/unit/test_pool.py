@@ -11,11 +11,11 @@ def hw(**kw):
     return HardwareConfig(**{"accelerator": "gpu", **kw})
 
 
-def test_one_engine_per_gpu_needs_no_placement_group():
+def test_the_engines_resources_are_one_bundle_each_packed_by_default():
     r = engine_resources(hw(engine_num_cpus=2))
-    assert (r.num_cpus, r.num_gpus, r.bundle, r.strategy) == (2, 1.0, None, None)
+    assert (r.num_cpus, r.num_gpus, r.bundle, r.strategy) == (2, 1.0, {"CPU": 2.0, "GPU": 1.0}, "PACK")
     cpu = engine_resources(hw(accelerator="cpu"))
-    assert (cpu.num_gpus, cpu.bundle) == (0.0, None)
+    assert (cpu.num_gpus, cpu.bundle) == (0.0, {"CPU": 1.0})
 
 
 def test_tensor_parallel_engines_reserve_their_gpus_in_one_bundle():
