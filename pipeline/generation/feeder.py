@@ -172,6 +172,7 @@ class EngineFeeder:
         self.in_flight: dict[str, tuple[_Call, Request]] = {}
         self.in_flight_cost = 0
         self._mark = time.monotonic()  # since when requests have been in flight
+        self._bucket: str | None = None  # the bucket whose rows the engine is running
         # Each policy step and preemption goes to the report once, with the call that ends next.
         self._trajectory_seen: dict[str, tuple[int, int]] = {}
         self._preemptions_seen: int | None = None
@@ -237,7 +238,7 @@ class EngineFeeder:
             c.begin()
         idle = not self.in_flight
         bisecting = [c for c in calls if c.suspects][:1]
-        for c in bisecting or calls:
+        for c in bisecting or self._bucket_first(calls):
             if not c.admit():
                 break  # its next row does not fit: later calls wait their turn
         if idle:
@@ -248,6 +249,15 @@ class EngineFeeder:
             # and its own window measures them), so the policy does not learn from it.
             if not c.queue and c.in_flight < c.max_rows and c.window is not None:
                 c.window.drained = True
+
+    def _bucket_first(self, calls: list[_Call]) -> list[_Call]:
+        """The open calls in admission order: the bucket the engine is running first (its
+        calls oldest first), then the rest oldest first. Blocks of several buckets may be
+        open at once; the engine switches bucket only when the one it runs has no rows
+        left waiting, and then the next bucket's rows fill the room its last wave leaves."""
+        if not any(c.queue for c in calls if c.bucket == self._bucket):
+            self._bucket = next((c.bucket for c in calls if c.queue), self._bucket)
+        return [c for c in calls if c.bucket == self._bucket] + [c for c in calls if c.bucket != self._bucket]
 
     # 2. Recovery from a failed step ----------------------------------------------------
 

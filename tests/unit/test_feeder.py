@@ -251,3 +251,34 @@ def test_time_between_calls_is_not_busy_time():
     t = feeder.totals
     assert t.busy_s < 0.25 and t.busy_fraction() < 0.5
     assert t.busy_s >= t.step_s > 0
+
+
+def test_open_calls_of_the_running_bucket_go_first():
+    """Blocks of two buckets open at once, in the order le128, le256, le128: the engine
+    finishes admitting le128 (both of its calls) before it switches to le256."""
+    import threading
+    import time
+
+    engine = SlowEngine()
+    feeder = EngineFeeder(engine, FixedBatchPolicy(8))
+    gate = threading.Event()
+    original = engine.step
+
+    def step():
+        gate.wait(5)  # hold the first step until all three calls are open
+        return original()
+
+    engine.step = step
+    order = [("le128", [(i, [1] * 96) for i in range(16)]), ("le256", [(100 + i, [2] * 200) for i in range(16)]),
+             ("le128", [(200 + i, [1] * 96) for i in range(16)])]
+    threads = []
+    for bucket, batch in order:  # opened one after another, in this order
+        threads.append(threading.Thread(target=feeder.serve, args=(bucket, batch, SAMPLING)))
+        threads[-1].start()
+        time.sleep(0.1)
+    gate.set()
+    for t in threads:
+        t.join(timeout=30)
+    first_long = next(k for k, (ids, _) in enumerate(engine.submitted) if len(ids) == 200)
+    assert all(len(ids) == 96 for ids, _ in engine.submitted[:first_long])
+    assert first_long == 32  # both le128 calls were admitted before any le256 row
