@@ -41,9 +41,9 @@ test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The pipeline against raw vLLM, Ray Data LLM, a pool of 2 engines and its own ablations,
-# interleaved, 3 runs each (pipeline/bench.py). Estimated on 2 cores: about 30-35 minutes with
-# BENCH_ARGS="--rows 4000 --scaling --out bench/results/pipeline_vs_raw_4k"; about 35-40 with
-# BENCH_ARGS="--rows 16000 --system raw,ray-data-llm,pipeline,pipeline-2 --out bench/results/pipeline_vs_raw_16k".
+# interleaved, 3 runs each (pipeline/bench.py). Measured on 2 cores (AVX-512): about 15 minutes with
+# BENCH_ARGS="--rows 4000 --scaling --system raw,ray-data-llm,pipeline,pipeline-2 --out bench/results/pool_4k";
+# 8 minutes at --rows 16000 --repeats 1 with the same systems (bench/results/pool_16k).
 bench: $(STAMP)
 	$(BIN)/pipeline bench $(BENCH_ARGS)
 

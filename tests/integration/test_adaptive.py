@@ -33,8 +33,13 @@ def limits_file(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def adaptive_run(tiny_model, sample_corpus, limits_file, tmp_path_factory):
+    # The controller's proof, with its windows measuring one bucket each: the corpus in one
+    # block and one block at a time, so each bucket is one call. Blocks served at once
+    # share the engine across a bucket switch (tests/unit/test_feeder.py), and a window
+    # spanning a switch measures two buckets' rows.
     return small_kv(tiny_model, sample_corpus, tmp_path_factory.mktemp("adaptive") / "out",
-                    f"batching.learned_limits={limits_file}")
+                    f"batching.learned_limits={limits_file}", "batching.generate_batch_rows=4096",
+                    "batching.concurrent_batches=1")
 
 
 def assert_nothing_lost(run):
