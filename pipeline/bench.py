@@ -207,35 +207,60 @@ def set_args(sets: list[str]) -> list[str]:
 # --- the raw-vLLM system, run in its own process -------------------------------------
 
 
+@dataclass(frozen=True)
+class SameSetup:
+    """What raw vLLM and Ray Data LLM take from the job and profile, as the pipeline does."""
+
+    config: Any
+    model: str
+    prepare: Any  # the prepare stage's settings: the same prompts, tokenized the same way
+    engine_kwargs: dict[str, Any]  # vllm.LLM's keyword arguments, `model` included
+    engine_env: dict[str, str]  # the engine's environment (the CPU backend's KV cache size)
+    sampling: dict[str, Any]  # vllm.SamplingParams' keyword arguments
+
+
+def same_setup(corpus: str, output: str, sets: list[str]) -> SameSetup:
+    from pipeline.config import load_run_config
+    from pipeline.plan import engine_kwargs, prepare_settings
+    from pipeline.runner import resolve_model
+    from pipeline.stages.prepare import context_limit
+
+    config = load_run_config(REPO / JOB, REPO / PROFILE, sets, corpus, output)
+    engine, sampling = config.profile.engine, config.job.sampling
+    model = resolve_model(config)
+    return SameSetup(
+        config=config,
+        model=model,
+        prepare=prepare_settings(config, model, context_limit(model, engine.max_model_len)),
+        engine_kwargs=engine_kwargs(model, engine, sampling.seed),
+        engine_env={} if engine.cpu_kvcache_space_gib is None else
+        {"VLLM_CPU_KVCACHE_SPACE": str(engine.cpu_kvcache_space_gib)},
+        sampling={"max_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
+                  "top_p": sampling.top_p, "seed": sampling.seed},
+    )
+
+
 def raw_vllm(corpus: str, output: str, sets: list[str], result: str) -> None:
     """What a user would write: render the prompts, one `LLM.generate`, write the outputs."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     from pipeline import schema
-    from pipeline.config import load_run_config
-    from pipeline.plan import engine_kwargs, prepare_settings
-    from pipeline.runner import resolve_model
-    from pipeline.stages.prepare import PrepareStage, context_limit
+    from pipeline.stages.prepare import PrepareStage
 
     started = time.monotonic()
-    config = load_run_config(REPO / JOB, REPO / PROFILE, sets, corpus, output)
-    profile, sampling = config.profile, config.job.sampling
-    model = resolve_model(config)
+    same = same_setup(corpus, output, sets)
     table = pq.read_table(corpus)
-    settings = prepare_settings(config, model, context_limit(model, profile.engine.max_model_len))
-    prepared = PrepareStage(settings)(table)
+    prepared = PrepareStage(same.prepare)(table)
     ok = [i for i, s in enumerate(prepared.column("status").to_pylist()) if s == "ok"]
     ids = prepared.column(schema.PROMPT_TOKEN_IDS).to_pylist()
 
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    if profile.engine.cpu_kvcache_space_gib is not None:
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(profile.engine.cpu_kvcache_space_gib)
-    llm = LLM(**engine_kwargs(model, profile.engine, sampling.seed))
-    params = SamplingParams(max_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
-                            top_p=sampling.top_p, seed=sampling.seed)
+    os.environ.update(same.engine_env)
+    llm = LLM(**same.engine_kwargs)
+    params = SamplingParams(**same.sampling)
     gen_started = time.monotonic()
     outputs = llm.generate([TokensPrompt(prompt_token_ids=ids[i]) for i in ok], params, use_tqdm=False)
     gen_s = time.monotonic() - gen_started
@@ -344,21 +369,14 @@ def ray_data_llm(corpus: str, output: str, sets: list[str], result: str) -> None
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from pipeline.config import load_run_config
-    from pipeline.plan import engine_kwargs, prepare_settings
-    from pipeline.runner import WORKER_ENV_DEFAULTS, resolve_model
-    from pipeline.stages.prepare import context_limit
+    from pipeline.runner import WORKER_ENV_DEFAULTS
 
     # 1. The same config, model, prompts and sampling as every other system.
     started = time.monotonic()
-    config = load_run_config(REPO / JOB, REPO / PROFILE, sets, corpus, output)
-    profile, sampling, hw = config.profile, config.job.sampling, config.profile.hardware
-    model = resolve_model(config)
-    settings = prepare_settings(config, model, context_limit(model, profile.engine.max_model_len))
-    kwargs = engine_kwargs(model, profile.engine, sampling.seed)
-    kwargs.pop("model")
-    params = {"max_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
-              "top_p": sampling.top_p, "seed": sampling.seed}
+    same = same_setup(corpus, output, sets)
+    config, model, settings, params = same.config, same.model, same.prepare, same.sampling
+    profile, hw = config.profile, config.profile.hardware
+    kwargs = {k: v for k, v in same.engine_kwargs.items() if k != "model"}
     corpus_schema = pq.read_schema(corpus)
     keep = list(corpus_schema.names)
     out_schema = pa.schema([*corpus_schema, pa.field("summary", pa.string()), pa.field("output_tokens", pa.int32()),
@@ -370,9 +388,7 @@ def ray_data_llm(corpus: str, output: str, sets: list[str], result: str) -> None
     import ray.data
     from ray.data.llm import build_processor, vLLMEngineProcessorConfig
 
-    env = {k: os.environ.get(k, v) for k, v in WORKER_ENV_DEFAULTS.items()}
-    if profile.engine.cpu_kvcache_space_gib is not None:
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(profile.engine.cpu_kvcache_space_gib)
+    env = {**{k: os.environ.get(k, v) for k, v in WORKER_ENV_DEFAULTS.items()}, **same.engine_env}
     ray.init(num_cpus=hw.ray_num_cpus, num_gpus=hw.num_engines if hw.accelerator == "cpu" else None,
              include_dashboard=False, runtime_env={"env_vars": env})
 

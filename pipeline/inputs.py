@@ -283,8 +283,8 @@ def _split_ids(path: str, filesystem: Any, column: str, splits: int) -> Any:
 
 
 def _repeated_ids(*parts: Any, show: int = 5) -> tuple[int, list[Any]]:
-    ids = pa.chunked_array([c for p in parts for c in (p.chunks if isinstance(p, pa.ChunkedArray) else [p])],
-                           type=parts[0].type) if parts else pa.chunked_array([], pa.string())
+    """Ids occurring more than once across `parts` (chunked arrays of one type), and a few."""
+    ids = pa.chunked_array([c for p in parts for c in p.chunks], type=parts[0].type)
     counts = pc.value_counts(ids.drop_null())
     repeated = counts.filter(pc.greater(counts.field("counts"), 1))
     return len(repeated), repeated.field("values").to_pylist()[:show]

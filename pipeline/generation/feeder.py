@@ -103,7 +103,7 @@ class FeederTotals:
     oom_retries: int = 0
     bisections: int = 0
     calls: int = 0
-    rows: int = 0
+    requests: int = 0  # rows served by every call: annotations and map-reduce levels too
     output_tokens: int = 0
     serving_s: float = 0.0  # time with at least one call waiting on this engine; the rest waited for input
 
@@ -520,7 +520,7 @@ class _Call:
         totals = feeder.totals
         totals.last_end = ended
         totals.calls += 1
-        totals.rows += self.rows
+        totals.requests += self.rows
         totals.output_tokens += self.output_tokens
         steps, backoffs, preemptions = feeder.unreported(self.bucket)
         started = self.started or ended

@@ -180,7 +180,7 @@ class GenerateStage:
             "ready_at": self.ready_at,
             "last_end_at": round(time.time(), 3),
             "calls": t.calls,
-            "requests": t.rows,  # every call's rows: annotations and map-reduce levels too
+            "requests": t.requests,
             "output_tokens": t.output_tokens,
             "serving_s": round(t.serving_s, 4),
             "busy_s": round(t.busy_s, 4),

@@ -192,7 +192,7 @@ def test_concurrent_calls_share_the_engine_and_each_gets_only_its_rows():
     assert any(lengths == {96, 200} for lengths in engine.lengths_per_step)  # no drain between them
     assert engine.max_seen <= 8  # the policy's rows in flight hold across calls
     t = feeder.totals
-    assert t.calls == 2 and t.rows == 80 and t.output_tokens == 320
+    assert t.calls == 2 and t.requests == 80 and t.output_tokens == 320
     assert 0 < t.serving_s and t.busy_s >= t.step_s > 0
 
 
