@@ -105,4 +105,6 @@ def generate_settings(config: RunConfig, prepare: PrepareSettings, run_id: str) 
         chunk_overlap=job.length.chunk_overlap,
         inject_oom_at_batch=profile.debug.inject_oom_at_batch,
         inject_oom_kind=profile.debug.inject_oom_kind,
+        stall_timeout_s=profile.engine.stall_timeout_s,
+        fail_on_start=profile.debug.engine_fails_on_start,
     )

@@ -17,6 +17,10 @@ engines start together, and what every node needs to run them.
   They also wait for the driver's word: the unique-id check runs while they start.
 - Every node: with `hardware.ray_address`, the job's runtime_env ships this package
   (`py_modules`), so each worker imports the driver's code.
+- Incidents: the gate's actor also keeps the pool's log for the report: what each
+  engine actor holds (blocks and their rows), and every restart, stall, engine death
+  and failed start, with its time and the rows it affected. An actor killed outright
+  says nothing; its next incarnation reports the restart, and what the dead one held.
 
 The placement group and the gate are this run's: `EnginePool.close` removes exactly
 them, by handle.
@@ -80,6 +84,8 @@ class _Arrivals:
         self.engines = engines
         self.arrived: set[str] = set()
         self.verdict: tuple[bool, str] | None = None
+        self.held: dict[str, dict[str, int]] = {}  # actor -> block -> rows, while it serves them
+        self.log: list[dict[str, Any]] = []
 
     async def arrive(self, who: str, timeout_s: float) -> tuple[bool, str]:
         import asyncio
@@ -94,6 +100,23 @@ class _Arrivals:
 
     def decide(self, go: bool, why: str) -> None:
         self.verdict = (go, why)
+
+    def hold(self, actor: str, block: str, rows: int) -> None:
+        self.held.setdefault(actor, {})[block] = rows
+
+    def release(self, actor: str, block: str) -> None:
+        self.held.get(actor, {}).pop(block, None)
+
+    def note(self, event: dict[str, Any]) -> None:
+        self.log.append(event)
+
+    def restarted(self, event: dict[str, Any]) -> None:
+        """A fresh incarnation of an actor: what the last one held is being retried."""
+        held = self.held.pop(event["actor"], {})
+        self.log.append({**event, "blocks": len(held), "rows": sum(held.values())})
+
+    def events(self) -> list[dict[str, Any]]:
+        return sorted(self.log, key=lambda e: e["at"])
 
 
 class PoolGate:
@@ -120,6 +143,24 @@ class PoolGate:
 
         go, why = ray.get(self.counter.arrive.remote(uuid.uuid4().hex, self.timeout_s))
         return None if go else why
+
+    def hold(self, actor: str, block: str, rows: int) -> None:
+        self.counter.hold.remote(actor, block, rows)  # fire and forget: one per block
+
+    def release(self, actor: str, block: str) -> None:
+        self.counter.release.remote(actor, block)
+
+    def note(self, event: dict[str, Any], restarted: bool = False) -> None:
+        """Log an incident, and wait (briefly) until it is logged: the caller may be about to exit."""
+        import ray
+
+        ref = (self.counter.restarted if restarted else self.counter.note).remote(event)
+        ray.wait([ref], timeout=10)
+
+    def events(self) -> list[dict[str, Any]]:
+        import ray
+
+        return ray.get(self.counter.events.remote())
 
     def close(self) -> None:
         import ray
@@ -156,6 +197,10 @@ class EnginePool:
                 "hardware.engines_per_node."
             )
         self.gate = PoolGate(self.hw.num_engines, self.hw.pool_start_timeout_s)
+
+    def incidents(self) -> list[dict[str, Any]]:
+        """The pool's log so far (see `PoolGate.events`); empty before `open`."""
+        return self.gate.events() if self.gate is not None else []
 
     def actor_options(self) -> dict[str, Any]:
         """Ray remote options for each engine actor."""

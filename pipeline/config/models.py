@@ -220,6 +220,17 @@ class EngineConfig(_Section):
     extra: dict[str, Any] = Field(default_factory=dict, description="Passed to vllm.LLM as keyword arguments.")
     restart: RestartConfig = Field(default_factory=lambda: RestartConfig(),
                                    description="How an engine that runs out of memory is started again.")
+    max_restarts: int = Field(
+        3, ge=0,
+        description="Times each engine actor is started afresh after its process or engine core died or "
+        "stalled (and times in a row an engine may fail to start); past it the run stops, resumable.",
+    )
+    stall_timeout_s: float = Field(
+        600.0, gt=0,
+        description="An engine step that has not returned after this long is a hung engine: its core is "
+        "killed and the actor started afresh (counts against max_restarts). Generous: the longest real "
+        "step (a full batch of long prompts on a slow GPU) takes seconds.",
+    )
 
 
 class HardwareConfig(_Section):
@@ -383,8 +394,12 @@ class DebugConfig(_Section):
     inject_oom_at_batch: int | None = Field(
         None, gt=0, description="Fault injection: an out-of-memory error in this engine batch (window), once."
     )
-    inject_oom_kind: Literal["oom", "engine_death"] = Field(
-        "oom", description="oom: raise CUDA-style OOM in-process; engine_death: kill the engine core process."
+    inject_oom_kind: Literal["oom", "engine_oom_death", "engine_crash"] = Field(
+        "oom", description="oom: raise CUDA-style OOM in-process; engine_oom_death: kill the engine core as if it "
+        "ran out of memory (rebuilt smaller, in place); engine_crash: kill it with no cause (a fresh actor)."
+    )
+    engine_fails_on_start: bool = Field(
+        False, description="Drills: every engine start fails, to show the restart bound ending the run."
     )
     slow_prepare_s: float = Field(
         0.0, ge=0.0,

@@ -9,8 +9,9 @@ this interface.
 
 Failures an engine must translate into these types, so that callers never
 recognise an error by its class name:
-- `EngineDead`: the engine can no longer run (its core process died); the
-  caller rebuilds it with `rebuild` and retries what was in flight.
+- `EngineDead`: the engine can no longer run (its core process died). Of memory,
+  the caller rebuilds it smaller with `rebuild` and retries what was in flight;
+  else the caller raises `EngineCrashed` and the actor is started afresh.
 - an out-of-memory: any exception for which `is_oom` is true.
 """
 
@@ -50,13 +51,27 @@ class Sampling:
 
 
 class EngineDead(RuntimeError):
-    """The engine cannot run any more (its core process is gone); rebuild it."""
+    """The engine cannot run any more (its core process is gone). `memory`: the core said
+    why, and it was memory; the caller rebuilds it smaller. Otherwise it crashed (or was
+    killed): see `EngineCrashed`."""
+
+    def __init__(self, message: str, memory: bool = False):
+        super().__init__(message)
+        self.memory = memory
+
+
+class EngineCrashed(RuntimeError):
+    """The engine core died of something other than memory, or stopped making progress.
+    Nothing in this process is to be trusted with it: the actor ends, Ray starts a fresh
+    one (up to `engine.max_restarts` times) and retries the blocks it held."""
 
 
 def is_oom(error: BaseException) -> bool:
     """An out-of-memory during generation: CUDA's own, an injected one, or a dead engine
     (how an OOM in a separate engine process surfaces)."""
-    if isinstance(error, (EngineDead, MemoryError)):
+    if isinstance(error, EngineDead):
+        return error.memory
+    if isinstance(error, MemoryError):
         return True
     torch = sys.modules.get("torch")  # loaded wherever a torch engine runs; never imported here
     if torch is not None and isinstance(error, torch.cuda.OutOfMemoryError):

@@ -9,9 +9,12 @@ policy, which answers with the next budget. A window is the adaptive
 equivalent of one batch.
 
 Out-of-memory during generation (a CUDA OOM in-process, or the engine core
-dying, which is how an OOM in vLLM's separate engine process surfaces) aborts
-the requests in flight, puts their rows back at the head of the queue, halves
-the budget through the policy, and, if the engine died, rebuilds it smaller.
+dying of one, which is how an OOM in vLLM's separate engine process surfaces)
+aborts the requests in flight, puts their rows back at the head of the queue,
+halves the budget through the policy, and, if the engine died, rebuilds it
+smaller. An engine core that dies of anything else (a crash, a kill) is not an
+OOM: the feeder raises `EngineCrashed` to every open call, and the actor is
+started afresh with their rows (see `pipeline.stages.generate`).
 Any other failure of a step is blamed on one request: the rows in flight are
 retried in halves (bisection) until the culprit runs alone. A row that fails
 alone gets an error; no row is ever dropped.
@@ -33,7 +36,7 @@ from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from pipeline.generation.engine import Completion, Engine, EngineDead, Sampling, is_oom
+from pipeline.generation.engine import Completion, Engine, EngineCrashed, EngineDead, Sampling, is_oom
 from pipeline.generation.memory import MemoryProbe
 from pipeline.generation.policy.base import BatchPolicy, Observation
 
@@ -48,10 +51,11 @@ class InjectedOutOfMemory(MemoryError):
 
 
 class FaultInjector:
-    """An out-of-memory in the `at`-th window (once), for tests and drills.
+    """A fault in the `at`-th window (once), for tests and drills.
 
-    `oom` raises in this process, as a CUDA allocation failure would; `engine_death`
-    ends the engine's core abruptly, so the engine itself reports it dead.
+    `oom` raises in this process, as a CUDA allocation failure would;
+    `engine_oom_death` ends the engine's core as if it had run out of memory, so the
+    engine itself reports it dead of memory; `engine_crash` ends it with no cause.
     """
 
     def __init__(self, at: int | None = None, kind: str = "oom"):
@@ -62,8 +66,8 @@ class FaultInjector:
         if self.fired or self.at is None or window < self.at:
             return
         self.fired = True
-        if self.kind == "engine_death":
-            engine.kill_core()
+        if self.kind in ("engine_oom_death", "engine_crash"):
+            engine.kill_core(memory=self.kind == "engine_oom_death")
             return
         raise InjectedOutOfMemory(f"CUDA out of memory (injected at batch {window})")
 
@@ -176,9 +180,20 @@ class EngineFeeder:
         # Each policy step and preemption goes to the report once, with the call that ends next.
         self._trajectory_seen: dict[str, tuple[int, int]] = {}
         self._preemptions_seen: int | None = None
+        self._step_started: float | None = None  # while a step runs: when it began (the stall watchdog reads it)
 
     def preemptions(self) -> int:
         return self.engine.kv_gauges()[1]
+
+    def stalled_s(self) -> float:
+        """How long the engine step now running has run; 0 between steps."""
+        started = self._step_started
+        return 0.0 if started is None else time.monotonic() - started
+
+    def rows_held(self) -> int:
+        """Rows of the open calls not finished yet: waiting or in flight."""
+        with self._cv:
+            return sum(len(c.queue) + c.in_flight for c in self._calls if not c.done)
 
     def serve(self, bucket: str, rows: list[tuple[int, list[int]]], sampling: Sampling) -> ServeResult:
         """Generate for `rows` (position, prompt token ids), all of one bucket, with `sampling`."""
@@ -216,13 +231,15 @@ class EngineFeeder:
                 self._mark = time.monotonic()
                 self._finish(calls)
                 continue
-            step_start = time.monotonic()
+            step_start = self._step_started = time.monotonic()
             try:
                 self.faults.check(self.totals.windows, self.engine)
                 finished = self.engine.step()
             except Exception as e:
                 self._recover(e, calls)
                 continue
+            finally:
+                self._step_started = None
             self._stepped(step_start, calls)
             self._complete(finished)
             reading = self.probe.read()  # after every step: KV usage reads 0 once requests finish
@@ -264,6 +281,8 @@ class EngineFeeder:
     def _recover(self, error: Exception, calls: list[_Call]) -> None:
         """An out-of-memory puts the rows in flight back and shrinks the budget; any other
         failure bisects them, until a row that fails alone gets the error."""
+        if isinstance(error, EngineDead) and not error.memory:
+            raise EngineCrashed(f"the engine core died ({error}), not of memory") from error
         oom = is_oom(error)
         victims = sorted(self.in_flight.values(), key=lambda v: v[1].position)
         self.restore(error, list(self.in_flight))

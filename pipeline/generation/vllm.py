@@ -22,6 +22,7 @@ import os
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,6 +96,7 @@ class EngineLogTee:
         os.close(write_end)
         self._chunks: list[bytes] = []
         self._recording = True
+        self._tail: deque[bytes] = deque(maxlen=64)  # what came after the start-up, for `tail`
         self._thread = threading.Thread(target=self._pump, args=(read_end,), daemon=True)
         self._thread.start()
 
@@ -103,6 +105,8 @@ class EngineLogTee:
             while chunk := pipe.read(65536):
                 if self._recording:
                     self._chunks.append(chunk)
+                else:
+                    self._tail.append(chunk)
                 os.write(self._out, chunk)
         os.close(self._out)
 
@@ -118,6 +122,10 @@ class EngineLogTee:
             self._thread.join(wait_s)
         self._recording = False
         return b"".join(self._chunks).decode(errors="replace")
+
+    def tail(self) -> str:
+        """The engine core's last lines since the start-up (it keeps the tee's pipe)."""
+        return b"".join(self._tail).decode(errors="replace")
 
 
 class VLLMEngine:
@@ -136,6 +144,8 @@ class VLLMEngine:
         self._params: tuple[Sampling, Any] | None = None
         self.startup_attempts: list[dict[str, Any]] = []
         self.rebuilds: list[dict[str, Any]] = []
+        self._tee: EngineLogTee | None = None
+        self._dies_of_memory = False
         self._build()
 
     # -- lifecycle ---------------------------------------------------------------
@@ -165,6 +175,7 @@ class VLLMEngine:
                 self.kwargs["gpu_memory_utilization"] = lower
                 continue
             tee.stop()
+            self._tee = tee  # its pump goes on forwarding the core's output, and keeps its tail
             self.startup_attempts.append({"gpu_memory_utilization": self.kwargs["gpu_memory_utilization"], "error": None})
             break
         self.startup_s = time.monotonic() - started
@@ -269,10 +280,12 @@ class VLLMEngine:
             if "EngineCore" in " ".join(p.cmdline() or [p.name()]) or "EngineCore" in p.name()
         ]
 
-    def kill_core(self) -> None:
-        """Fault injection: SIGKILL the engine core, so vLLM itself finds it dead."""
+    def kill_core(self, memory: bool = False) -> None:
+        """SIGKILL the engine core, so vLLM itself finds it dead: a fault injection
+        (`memory`: as if it had said it ran out of memory), and how a stalled core ends."""
         import signal
 
+        self._dies_of_memory = memory
         for pid in self.core_pids():
             os.kill(pid, signal.SIGKILL)
         time.sleep(0.5)  # let vLLM notice before the next step
@@ -328,7 +341,11 @@ class VLLMEngine:
             from vllm.v1.engine.exceptions import EngineDeadError
 
             if isinstance(e, EngineDeadError):
-                raise EngineDead(f"{type(e).__name__}: {e}") from e
+                time.sleep(0.5)  # the core's last words, if it had any
+                cause = _root_cause(self._tee.tail()) if self._tee is not None else None
+                memory = self._dies_of_memory or (cause is not None and mentions_memory_failure(cause))
+                self._dies_of_memory = False
+                raise EngineDead(f"{type(e).__name__}: {cause or e}", memory=memory) from e
             raise
         now = time.monotonic()
         for out in outputs:

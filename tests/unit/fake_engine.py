@@ -37,6 +37,7 @@ class FakeEngine:
         self.submitted: list[tuple[list[int], Sampling]] = []
         self.n = 0
         self.dead = False
+        self.dead_of_memory = False
         self.kv_cache_tokens = capacity_tokens
         self.startup_s = 0.0
         self.startup_attempts: list[dict] = []
@@ -55,7 +56,7 @@ class FakeEngine:
 
     def step(self):
         if self.dead:
-            raise EngineDead("EngineDeadError: the engine core died")
+            raise EngineDead("EngineDeadError: the engine core died", memory=self.dead_of_memory)
         self.max_seen = max(self.max_seen, len(self.live))
         if self.oom_when_in_flight is not None and len(self.live) >= self.oom_when_in_flight:
             raise MemoryError("CUDA out of memory")
@@ -77,8 +78,8 @@ class FakeEngine:
         used = sum(v[1] for v in self.live.values())
         return min(1.0, used / self.capacity), 0
 
-    def kill_core(self):
-        self.dead = True
+    def kill_core(self, memory=False):
+        self.dead, self.dead_of_memory = True, memory
 
     def rebuild(self, reason):
         before = self.max_num_seqs

@@ -39,7 +39,8 @@ def test_gpu_messages_are_memory_failures():
 def test_oom_during_generation():
     import torch
 
-    assert is_oom(EngineDead("core died")) and is_oom(torch.cuda.OutOfMemoryError("CUDA"))
+    assert is_oom(EngineDead("core died", memory=True)) and is_oom(torch.cuda.OutOfMemoryError("CUDA"))
+    assert not is_oom(EngineDead("core died"))  # killed, or crashed: not a reason to shrink
     assert is_oom(MemoryError("injected")) and is_oom(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
     assert not is_oom(ValueError("sampler produced NaN"))
 
@@ -61,10 +62,24 @@ def test_vllms_dead_engine_becomes_engine_dead():
         def step(self):
             raise ValueError("sampler produced NaN")
 
+    class Tail:  # the core's last words since start-up
+        def __init__(self, text):
+            self.text = text
+
+        def tail(self):
+            return self.text
+
     engine = object.__new__(VLLMEngine)
     engine._engine, engine._submitted, engine._first_token = DeadCore(), {}, {}
-    with pytest.raises(EngineDead):
+    engine._dies_of_memory, engine._tee = False, Tail("")
+    with pytest.raises(EngineDead) as died:  # killed: no word, not a memory failure
         engine.step()
+    assert not died.value.memory
+    engine._tee = Tail("(EngineCore_DP0 pid=7) ERROR 11-30 10:00:00 [core.py:710] "
+                       "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n")
+    with pytest.raises(EngineDead) as died:
+        engine.step()
+    assert died.value.memory and "CUDA out of memory" in str(died.value)
     engine._engine = Refuses()
     with pytest.raises(ValueError):
         engine.step()

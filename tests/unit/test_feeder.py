@@ -7,6 +7,8 @@ when an out-of-memory strikes.
 
 from __future__ import annotations
 
+import pytest
+
 from pipeline.generation.engine import Sampling
 from pipeline.generation.feeder import EngineFeeder
 from pipeline.generation.policy import BatchSizeController, ControllerSettings, FixedBatchPolicy
@@ -209,12 +211,15 @@ def test_one_failure_among_concurrent_calls_is_bisected_to_its_row():
     assert all(c.error is None for c in others)
 
 
-def test_an_engine_that_cannot_recover_fails_every_open_call():
-    import pytest
+@pytest.mark.parametrize("memory", [True, False])
+def test_an_engine_that_cannot_recover_fails_every_open_call(memory):
+    """Dead of memory and not rebuildable, or crashed (the actor is started afresh): either
+    way every open call fails with the reason, and no thread waits for a driver that is gone."""
+    from pipeline.generation.engine import EngineDead
 
     class Broken(SlowEngine):
         def step(self):
-            raise __import__("pipeline.generation.engine", fromlist=["EngineDead"]).EngineDead("core gone")
+            raise EngineDead("core gone", memory=memory)
 
         def rebuild(self, reason):
             raise RuntimeError("cannot rebuild: no memory")
@@ -236,7 +241,8 @@ def test_an_engine_that_cannot_recover_fails_every_open_call():
     for t in threads:
         t.join(timeout=10)
     assert not any(t.is_alive() for t in threads)  # nobody waits for a driver that is gone
-    assert errors and all("cannot rebuild" in e for e in errors)
+    reason = "cannot rebuild" if memory else "the engine core died (core gone), not of memory"
+    assert len(errors) == 2 and all(reason in e for e in errors)
     with pytest.raises(RuntimeError):
         feeder.serve("le128", rows(2), SAMPLING)
 

@@ -90,7 +90,7 @@ def test_a_dead_engine_is_rebuilt_and_no_row_is_lost(tiny_model):
     corpus = pa.table({"id": [f"r{i}" for i in range(60)], "text": [f"note {i}" for i in range(60)],
                        "source": ["email"] * 60})
     prepare, generate = stages(tiny_model, "jobs/nightly_summarize.yaml",
-                               ["debug.inject_oom_at_batch=2", "debug.inject_oom_kind=engine_death",
+                               ["debug.inject_oom_at_batch=2", "debug.inject_oom_kind=engine_oom_death",
                                 "batching.initial_budget_tokens=400"], engine)
     out = generate(prepare(corpus))
     assert out.column("status").to_pylist() == ["ok"] * 60

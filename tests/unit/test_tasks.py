@@ -109,7 +109,7 @@ def test_map_reduce_stops_after_its_levels_and_a_failed_piece_fails_its_row():
 def test_a_dead_engine_is_rebuilt_smaller_and_every_row_still_finishes():
     engine = FakeEngine()
     policy = BatchSizeController(initial_budget_tokens=240)  # 10 rows of 24 tokens: several windows
-    calls = calls_over(engine, policy, FaultInjector(at=2, kind="engine_death"))
+    calls = calls_over(engine, policy, FaultInjector(at=2, kind="engine_oom_death"))
     out = summarize(calls, [("le128", list(range(40)))], [[1] * 20] * 40, Sampling(4), [])
     assert sorted(out) == list(range(40)) and all(c.error is None for _, c in out.values())
     assert len(engine.rebuilds) == 1 and engine.rebuilds[0]["after"] == {"max_num_seqs": 128}
@@ -117,10 +117,10 @@ def test_a_dead_engine_is_rebuilt_smaller_and_every_row_still_finishes():
     assert calls.feeder.totals.oom_retries == 1
 
 
-@pytest.mark.parametrize("kind", ["oom", "engine_death"])
+@pytest.mark.parametrize("kind", ["oom", "engine_oom_death"])
 def test_the_fault_injector_fires_once(kind):
     engine = FakeEngine()
     calls = calls_over(engine, FixedBatchPolicy(4), FaultInjector(at=1, kind=kind))
     out = summarize(calls, [("le128", list(range(12)))], [[1] * 20] * 12, Sampling(4), [])
     assert all(c.error is None for _, c in out.values())
-    assert calls.feeder.totals.oom_retries == 1 and len(engine.rebuilds) == (kind == "engine_death")
+    assert calls.feeder.totals.oom_retries == 1 and len(engine.rebuilds) == (kind == "engine_oom_death")
