@@ -125,9 +125,14 @@ def main() -> None:
 @click.option("--date", metavar="YYYY-MM-DD",
               help="The day for a job whose paths hold {date} (jobs/nightly_summarize.yaml). "
                    "Default: yesterday, UTC.")
+@click.option("--resume", is_flag=True, default=False,
+              help="Continue the stopped run of this job and output (killed, or failed with rows committed): "
+                   "its committed rows are kept, not generated again. With none stopped, a fresh run.")
+@click.option("--restart", is_flag=True, default=False,
+              help="Discard the stopped run of this job and output (its staging), and start afresh.")
 def run(job: Path, profile: Path, input_path: str | None, output_path: str | None,
         overrides: tuple[str, ...], on_bad_file: str | None, backup_existing: bool,
-        fail_on_error_rate: float | None, date: str | None) -> None:
+        fail_on_error_rate: float | None, date: str | None, resume: bool, restart: bool) -> None:
     """Run JOB over its input and write summaries to its output folder.
 
     Output: Parquet parts (the input columns, then summary, [the annotation
@@ -142,6 +147,12 @@ def run(job: Path, profile: Path, input_path: str | None, output_path: str | Non
     --backup-existing. One run at a time per output: a second is refused
     while the first holds the output's lock.
 
+    Parts are committed as they are written. A run that is killed, or fails
+    with rows committed, keeps them in its staging beside the output; the next
+    run of that output stops (exit 2) naming it and its progress, until given
+    --resume (continue it) or --restart (discard it). `pipeline gc OUTPUT`
+    lists and removes stopped runs' staging.
+
     Exit status: 0 when the job ran, even if some rows have status `error`; 2
     when the config, input or output is wrong, or another run is writing the
     output (nothing ran); 3 when the share of error rows exceeds
@@ -149,7 +160,10 @@ def run(job: Path, profile: Path, input_path: str | None, output_path: str | Non
     """
     from pipeline.lease import OutputBusy
     from pipeline.output import OutputError, PublishError
-    from pipeline.runner import run_job
+    from pipeline.runner import RunStopped, run_job
+
+    if resume and restart:
+        _fail(EXIT_BAD_CONFIG, "--resume and --restart exclude each other: continue the stopped run, or discard it")
 
     if on_bad_file is not None:
         overrides = (*overrides, f"input.on_bad_file={on_bad_file}")
@@ -157,10 +171,11 @@ def run(job: Path, profile: Path, input_path: str | None, output_path: str | Non
         overrides = (*overrides, "output.backup_existing=true")
     try:
         config = load_config(job, profile, overrides, input_path, output_path, date=date)
-        report = run_job(config).to_json()
+        stopped = "resume" if resume else "restart" if restart else "refuse"
+        report = run_job(config, stopped=stopped).to_json()
     except (ConfigError, InputError, OutputError, OutputBusy) as e:
         _fail(EXIT_BAD_CONFIG, str(e))
-    except PublishError as e:  # the run finished; its output waits in its staging
+    except (PublishError, RunStopped) as e:  # its rows wait in its staging
         _fail(EXIT_FAILED, str(e))
     except KeyboardInterrupt:
         _fail(EXIT_FAILED, "interrupted")
@@ -282,6 +297,31 @@ def bench(rows: int, repeats: int, fixed: tuple[int, ...], systems: tuple[str, .
                       f(r["peak_driver_rss_mib"]), f(r["peak_workers_rss_mib"]))
     Console().print(table)
     Console().print(f"results: {out_path.with_suffix('.md')}  {out_path.with_suffix('.json')}", soft_wrap=True)
+
+
+@main.command()
+@click.argument("output")
+@click.option("--delete", is_flag=True, default=False, help="Remove what is listed (default: only list it).")
+def gc(output: str, delete: bool) -> None:
+    """List the staging that stopped runs left beside OUTPUT (killed, or failed with rows
+    committed), and with --delete remove it. Takes the output's lock first: refused
+    (exit 2) while a run is writing OUTPUT. Touches only folders this pipeline marked."""
+    from pipeline.lease import OutputBusy
+    from pipeline.output import collect_garbage
+
+    try:
+        found = collect_garbage(output, delete=delete)
+    except OutputBusy as e:
+        _fail(EXIT_BAD_CONFIG, str(e))
+    # One plain line per staging, for people and scripts alike.
+    for s in found:
+        lineage = " > ".join((*s.lineage, s.owner.run_id))
+        click.echo(f"{'removed' if delete else 'stopped'}: {s.root}: job {s.owner.job}, {s.progress()}, "
+                   f"runs {lineage}")
+    if not found:
+        click.echo(f"no stopped runs beside {output}")
+    elif not delete:
+        click.echo("pipeline gc --delete removes them; pipeline run ... --resume continues the latest")
 
 
 @main.group()

@@ -25,8 +25,14 @@ The staging life cycle (README, "What the pipeline may delete"):
    earlier run's listed files from what was swapped out, and remove the staging.
    On object stores (no folder rename), copy the parts in, the report last,
    then delete the earlier run's listed files that this run did not replace.
-4. `discard` (a failed run): remove this run's staging. A run killed outright
-   leaves it; the next run of the output names it in a warning and leaves it be.
+4. `stop` (a failed run): its staging stays if any part is committed
+   (`pipeline.commits`), for `--resume`; a run that committed nothing removes
+   it. A run killed outright leaves it too.
+5. The next run of the output finds a stopped run's staging (its lease is gone):
+   without `--resume` or `--restart` it stops with exit 2, naming the run and
+   its progress; `--resume` adopts it (its marker is rewritten to name the new
+   run and the runs before it, the lineage; parts with no commit are deleted);
+   `--restart` removes it. `pipeline gc` lists and removes stopped runs' staging.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from typing import Any, Literal
 
 import pyarrow.fs as pafs
 
+from pipeline.commits import Committed, drop_uncommitted, load_commits
 from pipeline.fs import is_local, read_bytes, resolve, sibling, split, write_bytes
 from pipeline.lease import Owner, OutputLease
 from pipeline.report import REPORT_NAME
@@ -144,9 +151,12 @@ class Staging:
         """Where the output is assembled: parts, report, plot."""
         return f"{self.root}/output"
 
-    def create(self) -> None:
+    def create(self, rows_in: int | None = None, lineage: tuple[str, ...] = ()) -> None:
+        """Create it, or (resuming) take it over: the marker names this run from now on,
+        with the runs that wrote into it before (`lineage`, oldest first)."""
         self.fs.create_dir(self.data, recursive=True)
-        marker = {**self.owner.to_json(), "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+        marker = {**self.owner.to_json(), "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                  "rows_in": rows_in, "lineage": list(lineage)}
         write_bytes(self.fs, f"{self.root}/{STAGING_MARKER}", json.dumps(marker, indent=2).encode())
 
     def remove(self) -> bool:
@@ -169,18 +179,40 @@ def read_marker(fs: pafs.FileSystem, root: str) -> Owner | None:
         return None
 
 
-def leftover_staging(fs: pafs.FileSystem, output: str, run_id: str) -> list[tuple[str, Owner]]:
-    """Marked staging of other runs of this output (runs killed outright), beside it."""
+@dataclass(frozen=True)
+class Stopped:
+    """A staging beside the output whose run is not running: killed, or failed with rows committed."""
+
+    root: str
+    owner: Owner  # the run that last wrote into it
+    created_at: str
+    rows_in: int | None
+    lineage: tuple[str, ...]  # the runs before it, oldest first
+    committed: Committed
+
+    def progress(self) -> str:
+        docs = self.committed.documents()
+        share = f"{docs / self.rows_in:.0%}" if self.rows_in else "an unknown share"
+        return f"run {self.owner.run_id} stopped at {share} ({self.committed.rows:,} rows committed)"
+
+
+def stopped_runs(fs: pafs.FileSystem, output: str, exclude: str = "") -> list[Stopped]:
+    """Marked staging beside the output, other than `exclude`, oldest first. Only the
+    holder of the output's lease may call this: then none of these runs is running."""
     head, base = split(output)
     found = []
     for e in fs.get_file_info(pafs.FileSelector(head, allow_not_found=True)):
         name = e.base_name
         if (e.type == pafs.FileType.Directory and name.startswith(f".{base}.") and name.endswith(STAGING_SUFFIX)
-                and name != split(staging_root(output, run_id))[1]):
+                and e.path != exclude):
+            raw = read_bytes(fs, f"{e.path}/{STAGING_MARKER}")
             owner = read_marker(fs, e.path)
-            if owner is not None:
-                found.append((e.path, owner))
-    return found
+            if raw is None or owner is None:
+                continue  # not marked by this pipeline: not ours to judge
+            marker = json.loads(raw)
+            found.append(Stopped(e.path, owner, str(marker.get("created_at", "")), marker.get("rows_in"),
+                                 tuple(marker.get("lineage") or ()), load_commits(fs, e.path)))
+    return sorted(found, key=lambda s: s.created_at)
 
 
 # --- moving folders ---------------------------------------------------------------
@@ -238,6 +270,7 @@ class OutputTarget:
     always `close`."""
 
     def __init__(self, output: str, job: str, run_id: str, *, backup_existing: bool = False,
+                 stopped: Literal["refuse", "resume", "restart"] = "refuse",
                  filesystem: pafs.FileSystem | None = None):
         if filesystem is None:
             self.fs, self.path = resolve(output)
@@ -254,13 +287,18 @@ class OutputTarget:
         self.staging = Staging(self.fs, staging_root(self.path, run_id), self.owner)
         self.warnings: list[str] = []
         self._planned: tuple[Survey, str | None] | None = None
+        self.on_stopped = stopped
+        self.resumed: Stopped | None = None  # the stopped run this one continues
+        self.committed = Committed()  # what this run's staging already holds for good
+        self.lineage: tuple[str, ...] = ()  # the runs whose rows this output holds, before this one
 
     def survey(self) -> Survey:
         return survey(self.fs, self.path, self.job)
 
-    def open(self) -> Survey:
-        """Take the lease, check the output, create the staging. OutputError or OutputBusy
-        (both ValueErrors: exit 2) if this run may not write here."""
+    def open(self, rows_in: int | None = None) -> Survey:
+        """Take the lease, check the output, deal with stopped runs, create (or adopt) the
+        staging. OutputError or OutputBusy (both ValueErrors: exit 2) if this run may not
+        write here."""
         taken = self.lease.acquire()
         try:
             if taken:
@@ -268,16 +306,43 @@ class OutputTarget:
             found = self.survey()
             if found.state == "foreign" and not self.backup_existing:
                 raise OutputError(found.refusal())
-            for root, owner in leftover_staging(self.fs, self.path, self.owner.run_id):
-                note = (f"{root}: staging left by {owner.describe()}, which did not finish; "
-                        "kept as it is (delete it once you no longer need its parts)")
-                log.warning(note)
-                self.warnings.append(note)
-            self.staging.create()
+            self._handle_stopped(rows_in)
         except BaseException:
             self.lease.release()
             raise
         return found
+
+    def _handle_stopped(self, rows_in: int | None) -> None:
+        stopped = stopped_runs(self.fs, self.path, exclude=self.staging.root)
+        mine = [s for s in stopped if s.owner.job == self.job]
+        for s in stopped:
+            if s.owner.job != self.job:  # another job's staging at this path: not ours to judge
+                self._warn(f"{s.root}: staging left by {s.owner.describe()} of job {s.owner.job!r}; kept as it is")
+        if mine and self.on_stopped == "refuse":
+            latest = mine[-1]
+            raise OutputError(f"{self.path}: {latest.progress()} (staging {latest.root}); "
+                              "--resume to continue, --restart to discard it")
+        if self.on_stopped == "restart":
+            for s in mine:
+                self.fs.delete_dir(s.root)  # marked by a run of this job at this output: ours
+                self._warn(f"{s.root}: discarded (--restart): {s.progress()}")
+            mine = []
+        if not mine:
+            self.staging.create(rows_in)
+            return
+        for s in mine[:-1]:
+            self._warn(f"{s.root}: an older stopped run, kept as it is ({s.progress()}); pipeline gc removes it")
+        self.resumed = s = mine[-1]
+        self.staging = Staging(self.fs, s.root, self.owner)
+        self.lineage = (*s.lineage, s.owner.run_id)
+        self.staging.create(rows_in, self.lineage)
+        self.committed = s.committed
+        dropped = drop_uncommitted(self.fs, self.staging.data, s.committed)
+        log.info("resuming %s; %d uncommitted files deleted from its staging", s.progress(), len(dropped))
+
+    def _warn(self, note: str) -> None:
+        log.warning(note)
+        self.warnings.append(note)
 
     def plan(self) -> dict[str, Any]:
         """Check the output again at the end of the run and say what publishing will do
@@ -350,12 +415,39 @@ class OutputTarget:
                 if name not in mine:
                     fs.delete_file(f"{final}/{name}")
 
-    def discard(self) -> None:
-        """A failed run: remove its staging; the output stays as it was."""
+    def stop(self) -> str | None:
+        """A failed run: the output stays as it was. Its staging stays if it holds
+        committed rows, and this says so (the run and its progress); else it is removed."""
         try:
+            committed = load_commits(self.fs, self.staging.root)
+            if committed.rows:
+                marker = json.loads(read_bytes(self.fs, f"{self.staging.root}/{STAGING_MARKER}") or b"{}")
+                return Stopped(self.staging.root, self.owner, "", marker.get("rows_in"), self.lineage,
+                               committed).progress()
             self.staging.remove()
         except OSError as e:
-            log.warning("could not remove %s: %s", self.staging.root, e)
+            log.warning("could not look at or remove %s: %s", self.staging.root, e)
+        return None
 
     def close(self) -> None:
         self.lease.release()
+
+
+def collect_garbage(output: str, delete: bool = False) -> list[Stopped]:
+    """The staging that stopped runs left beside `output` (any job's), removed with
+    `delete`. It takes the output's lease first, so no run is writing there meanwhile
+    (OutputBusy if one is); only folders with this pipeline's marker are touched."""
+    import uuid
+
+    fs, path = resolve(output)
+    path = path.rstrip("/") or "/"
+    lease = OutputLease(fs, path, Owner.this_process(f"gc-{uuid.uuid4().hex[:6]}", "pipeline gc"))
+    lease.acquire()
+    try:
+        found = stopped_runs(fs, path)
+        if delete:
+            for s in found:
+                fs.delete_dir(s.root)
+    finally:
+        lease.release()
+    return found

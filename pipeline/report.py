@@ -192,6 +192,11 @@ class RunReport:
     timeline: dict[str, float | None] = field(default_factory=dict)
     # Passes over the input before generation, and what each cost.
     checks: dict[str, Any] = field(default_factory=dict)
+    # A resumed run: the runs whose rows the output holds (lineage, this run last), what
+    # was committed before and what this run generated.
+    resume: dict[str, Any] | None = None
+    # Resume, engine restarts, stalls, engine deaths and failed starts: when, why, and the rows each affected.
+    incidents: list[dict[str, Any]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:

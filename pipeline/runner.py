@@ -9,6 +9,11 @@ template fields, annotation schema, what is at the output path and whether
 another run holds it) is checked before Ray starts. The output appears
 whole, report included, or not at all, and replaces only what the pipeline
 itself wrote there (see `pipeline.output`).
+
+Each part is committed as it is written (`pipeline.commits`). A run that stops
+keeps its staging; `--resume` continues it: the committed rows are filtered out
+right after the read (with passages, after prepare, by id and passage), and the
+report covers every row of the output, with the runs that wrote them (lineage).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import pyarrow.compute as pc
 
 from pipeline import limits_store, schema
 from pipeline.bucketing import LengthBucketer, window_order
+from pipeline.commits import key_columns, row_keys, without
 from pipeline.config import AdaptivePolicy, RunConfig
 from pipeline.inputs import InputError, check_inputs, duplicate_ids
 from pipeline.output import OutputTarget, PublishError
@@ -93,15 +99,38 @@ def group_window(batch: pa.Table) -> pa.Table:
     return batch.take(pa.array(window_order(batch.column(schema.BUCKET_INDEX).to_pylist()), pa.int64()))
 
 
-def read_and_prepare(config: RunConfig, inputs: Any, settings: PrepareSettings) -> Any:
-    """The input read and run through the prepare stage (lazy: nothing runs yet)."""
+_COMMITTED: dict[str, Any] = {}  # per worker process: the committed keys, fetched once
+
+
+def skip_committed(batch: pa.Table, committed: list[Any], columns: list[str]) -> pa.Table:
+    """The rows of `batch` whose output key is not committed. `committed`: [an ObjectRef
+    of the keys], in a list so that Ray hands it over unresolved and each worker
+    fetches it once."""
+    import ray
+
+    ref = committed[0]
+    keys = _COMMITTED.get(ref.hex())
+    if keys is None:
+        keys = _COMMITTED[ref.hex()] = ray.get(ref)
+    return without(batch, keys, columns)
+
+
+def read_and_prepare(config: RunConfig, inputs: Any, settings: PrepareSettings,
+                     skip: tuple[Any, list[str]] | None = None) -> Any:
+    """The input read and run through the prepare stage (lazy: nothing runs yet). `skip`:
+    (ObjectRef of committed keys, key columns) of a resumed run."""
     from pipeline.stages.prepare import PrepareStage
 
+    ds = inputs.read()
+    passages = len(skip[1]) > 1 if skip else False
+    if skip and not passages:  # whole documents: skipped before they are tokenized
+        ds = ds.map_batches(skip_committed, fn_kwargs={"committed": [skip[0]], "columns": skip[1]},
+                            batch_format="pyarrow")
     # Blocks of one tokenizing batch: a read block (a file, a row group, up to 128 MiB)
     # would otherwise come out of prepare whole, and nothing downstream could start
     # before its last row was tokenized.
     rows = config.profile.batching.prepare_batch_rows
-    return inputs.read().repartition(target_num_rows_per_block=rows).map_batches(
+    ds = ds.repartition(target_num_rows_per_block=rows).map_batches(
         PrepareStage,
         fn_constructor_kwargs={"settings": settings},
         batch_size=rows,
@@ -109,6 +138,10 @@ def read_and_prepare(config: RunConfig, inputs: Any, settings: PrepareSettings) 
         concurrency=config.profile.hardware.prepare_actors,
         num_cpus=1,
     )
+    if skip and passages:  # a document's passages exist once it is cut: skipped by id and passage
+        ds = ds.map_batches(skip_committed, fn_kwargs={"committed": [skip[0]], "columns": skip[1]},
+                            batch_format="pyarrow", num_cpus=0.1)
+    return ds
 
 
 def corpus_percentile_cap(config: RunConfig, inputs: Any, prepare: PrepareSettings) -> int:
@@ -127,8 +160,13 @@ def corpus_percentile_cap(config: RunConfig, inputs: Any, prepare: PrepareSettin
     return max(1, int(np.percentile(measured, config.job.length.outlier_percentile)))
 
 
-def run_job(config: RunConfig, run_id: str | None = None) -> RunReport:
-    """Run the job end to end and return its report (also written as `_report.json`)."""
+class RunStopped(RuntimeError):
+    """The run failed with rows committed: its staging is kept, and `--resume` continues it."""
+
+
+def run_job(config: RunConfig, run_id: str | None = None, stopped: str = "refuse") -> RunReport:
+    """Run the job end to end and return its report (also written as `_report.json`).
+    `stopped`: what to do with a stopped run of this output: refuse, resume or restart."""
     run_id = run_id or new_run_id()
     started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
     started = time.monotonic()
@@ -144,16 +182,20 @@ def run_job(config: RunConfig, run_id: str | None = None) -> RunReport:
         raise InputError(f"{config.job_file}: {job.input.path}: {e}") from None
 
     # 2. The output: this run's lease on it, a check of what is there, and the staging.
-    target = OutputTarget(job.output.path, job.name, run_id, backup_existing=job.output.backup_existing)
-    target.open()
+    target = OutputTarget(job.output.path, job.name, run_id, backup_existing=job.output.backup_existing,
+                          stopped=stopped)  # type: ignore[arg-type]
+    target.open(rows_in=inputs.rows)
     try:
         try:
             report = _generate(config, run_id, inputs, out_schema, target, started, started_at)
         except PublishError:
             raise  # every row is written: the staging holds the complete output, and stays
-        except BaseException:
-            target.discard()
-            raise
+        except BaseException as e:
+            kept = target.stop()
+            if kept is None or isinstance(e, (ValueError, KeyboardInterrupt)):
+                raise
+            raise RunStopped(f"{type(e).__name__}: {e}. {kept}, kept in {target.staging.root}: "
+                             "run again with --resume to continue it") from e
         # 5. Publish; a failure here keeps the staging, which holds the complete output.
         report.warnings += target.publish()
     finally:
@@ -184,6 +226,13 @@ def _generate(config: RunConfig, run_id: str, inputs: Any, out_schema: pa.Schema
     init_ray(config)
     hw, batching = profile.hardware, profile.batching
     checks: dict[str, Any] = {}
+    keys = key_columns(job.input.id_column, job.passages is not None)
+    committed = target.committed  # a resumed run's: skipped
+    skip = None
+    if committed.keys is not None:
+        import ray
+
+        skip = (ray.put(row_keys(committed.keys, keys)), keys)
     prepare = prepare_settings(config, model_path, max_model_len)
     percentile_cap = None
     if job.length.outlier_percentile is not None:
@@ -191,7 +240,7 @@ def _generate(config: RunConfig, run_id: str, inputs: Any, out_schema: pa.Schema
         percentile_cap = corpus_percentile_cap(config, inputs, prepare)
         prepare = replace(prepare, cap_tokens=percentile_cap)
         checks["outlier_percentile"] = {"pass": "read and tokenize every row", "seconds": round(time.monotonic() - t, 3)}
-    ds = read_and_prepare(config, inputs, prepare)
+    ds = read_and_prepare(config, inputs, prepare, skip)
     if profile.bucketing.grouping == "window":
         # Streaming: each window of prepared rows ordered by bucket, nothing waits for the corpus.
         # Then cut into blocks of an engine's batch: Ray Data hands out blocks, not
@@ -204,8 +253,11 @@ def _generate(config: RunConfig, run_id: str, inputs: Any, out_schema: pa.Schema
         ds = ds.sort(schema.BUCKET_INDEX, boundaries=list(range(1, len(bucketer.names))))
     pool = EnginePool(hw, profile.engine.tensor_parallel_size)
     pool.open()
+    incidents: list[dict[str, Any]] = []
     try:
         settings = replace(generate_settings(config, prepare, run_id), pool_gate=pool.gate)
+        # Engines that fail to start: the same bound, counted in a row (Ray Data's default: none).
+        ds.context.max_consecutive_actor_init_deaths = profile.engine.max_restarts
         ds = ds.map_batches(
             GenerateStage,
             fn_constructor_kwargs={"settings": settings, "learned": start_limits},
@@ -217,9 +269,13 @@ def _generate(config: RunConfig, run_id: str, inputs: Any, out_schema: pa.Schema
                                       max_concurrent_calls_per_actor=batching.concurrent_batches,
                                       max_tasks_in_flight_per_actor=batching.concurrent_batches,
                                       enable_true_multi_threading=True),
+            # An actor whose process or engine core dies, or hangs, is started afresh
+            # and its blocks retried, a bounded number of times (Ray Data's default: forever).
+            max_restarts=profile.engine.max_restarts,
+            max_task_retries=profile.engine.max_restarts,
             **pool.actor_options(),
         )
-        sink = ParquetPartsSink(target.fs, target.staging.data, run_id, out_schema)
+        sink = ParquetPartsSink(target.staging, run_id, out_schema, keys, previous=committed.parts)
         # Unique ids are checked on the cluster while the engines start; they take no
         # block until it has passed.
         check = BesideStartup(lambda: check_unique_ids(inputs, job.input.id_column, job.input.path), pool.gate)
@@ -227,14 +283,30 @@ def _generate(config: RunConfig, run_id: str, inputs: Any, out_schema: pa.Schema
             # Write tasks ask for a tenth of a CPU: they wait on storage, and at a whole
             # CPU Ray Data's resource budget held every part back until the input was read.
             ds.write_datasink(sink, ray_remote_args={"num_cpus": 0.1})
-        except Exception:
+        except Exception as e:
             check.raise_if_refused()
-            raise
+            raise engines_failed(e, pool.incidents(), profile.engine.max_restarts) from e
         checks["duplicate_ids"] = check.result()
+        incidents = pool.incidents()
     finally:
         pool.close()
     return finish(config, sink, target, run_id, inputs, started, started_at, model_path, max_model_len,
-                  bucketer, limits_key, start_limits, percentile_cap, checks)
+                  bucketer, limits_key, start_limits, percentile_cap, checks, incidents)
+
+
+def engines_failed(error: Exception, incidents: list[dict[str, Any]], bound: int) -> Exception:
+    """The error a failed write ends the run with: the engines' own story, when they
+    failed past `engine.max_restarts`, else the write's error as it was."""
+    ends = [i for i in incidents if i["kind"] in ("stall", "engine_died", "start_failed")]
+    restarts = [i for i in incidents if i["kind"] == "restart"]
+    if not ends and not restarts:
+        return error
+    last = ends[-1] if ends else restarts[-1]
+    return RuntimeError(
+        f"the engine actors failed {len(ends)} times and were restarted {len(restarts)} times "
+        f"(engine.max_restarts={bound} per actor) before the run gave up; the last failure: "
+        f"{last['kind']}: {last['cause']} (Ray: {type(error).__name__}: {str(error).splitlines()[0][:300]})"
+    )
 
 
 class BesideStartup:
@@ -299,11 +371,22 @@ def _side_step(warnings: list[str], what: str, step: Callable[[], Any]) -> Any:
 
 def finish(config: RunConfig, sink: Any, target: OutputTarget, run_id: str, inputs: Any, started: float,
            started_at: str, model_path: str, max_model_len: int, bucketer: LengthBucketer, limits_key: dict[str, Any],
-           start_limits: Any, percentile_cap: int | None, checks: dict[str, Any]) -> RunReport:
+           start_limits: Any, percentile_cap: int | None, checks: dict[str, Any],
+           incidents: list[dict[str, Any]] | None = None) -> RunReport:
     """Build the report from what was written, and put it (and the plot) beside the parts."""
     job, profile = config.job, config.profile
     if sink.summary is None:
         raise RuntimeError("the write finished without reporting what it wrote")
+    incidents = list(incidents or [])
+    resume = None
+    if target.resumed is not None:
+        committed = target.committed
+        resume = {"lineage": [*target.lineage, run_id], "resumed": target.resumed.owner.run_id,
+                  "rows_committed_before": committed.rows, "rows_generated": (sink.generated or {}).get("rows", 0),
+                  "read_commits_s": round(committed.seconds, 3)}
+        wall_start = time.time() - (time.monotonic() - started)
+        incidents.insert(0, {"at": round(wall_start, 3), "kind": "resume", "cause": target.resumed.progress(),
+                             "rows": committed.rows})
 
     # 4. The report, written last: its presence means the output is complete.
     report = build_report(
@@ -318,6 +401,7 @@ def finish(config: RunConfig, sink: Any, target: OutputTarget, run_id: str, inpu
     )
     report.date = config.date
     report.checks = checks
+    report.resume, report.incidents = resume, incidents
     report.input_files = {"format": inputs.format, "read": len(inputs.paths), "skipped": inputs.skipped}
     if job.passages is not None:
         report.passages = {**job.passages.model_dump(), "documents_in": inputs.rows,

@@ -8,6 +8,10 @@ from what was written without reading the output back.
 The sink writes only into the folder it is given: the run's staging
 (`pipeline.output`), which the runner publishes once the report is there too.
 Publishing, and what may be replaced or deleted, is not the sink's business.
+
+After each part, its commit marker (`pipeline.commits`): from then on a resumed
+run skips that part's rows. The parts a resumed run found committed come in as
+`previous`, so the report covers every row of the output, whichever run wrote it.
 """
 
 from __future__ import annotations
@@ -20,24 +24,29 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from ray.data import Datasink
 from ray.data.block import Block, BlockAccessor
 from ray.data.datasource.datasink import WriteResult
 
 from pipeline import schema
+from pipeline.commits import commit_part
 
 PART_PREFIX = "part-"
 
 
 class ParquetPartsSink(Datasink[dict[str, Any]]):
-    def __init__(self, fs: pafs.FileSystem, root: str, run_id: str, output_schema: pa.Schema):
-        self.fs = fs
-        self.root = root  # the run's staging folder: the parts go here, and nowhere else
+    def __init__(self, staging: Any, run_id: str, output_schema: pa.Schema, keys: list[str],
+                 previous: list[dict[str, Any]] | None = None):
+        self.fs = staging.fs
+        self.root = staging.data  # the run's staging folder: the parts go here, and nowhere else
+        self.staging_root = staging.root  # and their commit markers under here
         self.run_id = run_id
         self.schema = output_schema
+        self.keys = keys  # the columns that name an output row
+        self.previous = list(previous or [])
         self.summary: dict[str, Any] | None = None
+        self.generated: dict[str, Any] | None = None  # what this run itself wrote
 
     def get_name(self) -> str:
         return "ParquetParts"
@@ -56,10 +65,13 @@ class ParquetPartsSink(Datasink[dict[str, Any]]):
 
         name = f"{PART_PREFIX}{self.run_id}-{ctx.task_idx:05d}.parquet"
         pq.write_table(out, f"{self.root}/{name}", filesystem=self.fs)
-        return {"file": name, **stats, "written_at": time.time()}
+        result = {"file": name, **stats, "written_at": time.time()}
+        commit_part(self.fs, self.staging_root, name, out.select(self.keys), result)
+        return result
 
     def on_write_complete(self, write_result: WriteResult[dict[str, Any]]) -> None:
-        self.summary = merge_stats(write_result.write_returns)
+        self.generated = merge_stats(write_result.write_returns)
+        self.summary = merge_stats(self.previous + list(write_result.write_returns))
 
 
 def _block_stats(table: pa.Table) -> dict[str, Any]:

@@ -88,3 +88,17 @@ def test_an_old_style_profile_runs_with_one_plain_warning_per_moved_key(tmp_path
     assert any(line.startswith("warning: ") and line.endswith(
         "batching.policy: tuned is the old spelling; write batching.policy.kind: tuned") for line in lines)
     assert any(line.endswith("batching.tuned_rows is the old spelling; write batching.policy.rows") for line in lines)
+
+
+def test_gc_lists_then_deletes_a_stopped_run_and_resume_excludes_restart(tmp_path):
+    from tests.unit.test_resume import killed_run
+
+    killed_run(tmp_path / "out")
+    listed = CliRunner().invoke(main, ["gc", str(tmp_path / "out")])
+    assert listed.exit_code == 0 and "run1" in listed.output and "stopped at 50%" in listed.output
+    assert len(list(tmp_path.glob(".out.*.staging"))) == 1
+    deleted = CliRunner().invoke(main, ["gc", str(tmp_path / "out"), "--delete"])
+    assert deleted.exit_code == 0 and not list(tmp_path.glob(".out.*.staging"))
+    both = CliRunner().invoke(main, ["run", "jobs/nightly_summarize.yaml", "--profile", "conf/local.yaml",
+                                     "--resume", "--restart"])
+    assert both.exit_code == EXIT_BAD_CONFIG and "exclude each other" in both.output

@@ -43,7 +43,7 @@ def test_a_failing_side_step_is_a_warning_and_the_output_is_published(tmp_path, 
     out_schema = schema.output_schema(pa.schema([("id", pa.string()), ("text", pa.string())]), "id", "text")
     target = OutputTarget(config.job.output.path, config.job.name, "run1")
     target.open()
-    sink = ParquetPartsSink(target.fs, target.staging.data, "run1", out_schema)
+    sink = ParquetPartsSink(target.staging, "run1", out_schema, ["id"])
     written = sink.write([block(["a", "b", "c"], "le128", "c0", CALL)], Ctx(0))
 
     class WR:

@@ -201,27 +201,29 @@ def test_staging_is_marked_and_only_marked_staging_is_removed(tmp_path):
     assert marker["host"] and marker["process_started"] > 0
     # A marker that names another run: this run must not remove that folder.
     Path(target.staging.root, STAGING_MARKER).write_text(json.dumps({**marker, "run_id": "someone-else"}))
-    target.discard()
+    assert target.stop() is None  # nothing committed: nothing to keep, but not this run's to remove
     assert os.path.isdir(target.staging.data)
     Path(target.staging.root, STAGING_MARKER).write_text(json.dumps(marker))
-    target.discard()
+    assert target.stop() is None
     target.close()
     assert sorted(os.listdir(tmp_path)) == []
 
 
-def test_a_killed_runs_staging_is_named_and_kept(tmp_path):
+def test_a_killed_runs_staging_stops_the_next_run_until_it_is_resumed_or_discarded(tmp_path):
     killed = OutputTarget(str(tmp_path / "out"), JOB, "run1")
-    killed.open()
+    killed.open(rows_in=10)
     killed.close()  # its lease goes, its staging stays: as after kill -9 and an expired lease
-    target = OutputTarget(str(tmp_path / "out"), JOB, "run2")
+    with pytest.raises(OutputError, match="run run1 stopped at 0% .0 rows committed.*--resume.*--restart"):
+        OutputTarget(str(tmp_path / "out"), JOB, "run2").open()
+    target = OutputTarget(str(tmp_path / "out"), JOB, "run2", stopped="restart")
     target.open()
     try:
-        assert any(killed.staging.root in w and "run run1" in w for w in target.warnings)
+        assert any(killed.staging.root in w and "discarded" in w for w in target.warnings)
         stage(target, "run2")
         target.publish()
     finally:
         target.close()
-    assert os.path.isdir(killed.staging.data)
+    assert sorted(os.listdir(tmp_path)) == ["out"]
 
 
 # --- publishing on the object-store path ---------------------------------------------
@@ -266,6 +268,6 @@ def test_a_failed_run_on_the_object_store_path_leaves_the_output_as_it_was(bucke
     target.open()
     with fs.open_output_stream(f"{target.staging.data}/part-run1-00000.parquet") as f:
         f.write(b"half")
-    target.discard()
+    assert target.stop() is None  # no part committed: nothing worth resuming
     target.close()
     assert tree(root / "out") == before and sorted(os.listdir(root)) == ["out"]

@@ -51,7 +51,7 @@ def test_parts_are_whole_and_stats_merge(tmp_path):
     (out / "_report.json").write_text(json.dumps({"job": JOB, "run_id": "run0", "files": [stale.name]}))
     target = OutputTarget(str(out), JOB, "run1")
     target.open()
-    sink = ParquetPartsSink(target.fs, target.staging.data, "run1", out_schema)
+    sink = ParquetPartsSink(target.staging, "run1", out_schema, ["id"])
     sink.on_write_start()
     r0 = sink.write([block(["a", "b"], "le128", "c0", {"call": "c0", "rows": 3})], Ctx(0))
     r1 = sink.write([block(["c"], "le128", "c0"), block(["d"], "le256", "c1", {"call": "c1", "rows": 1})], Ctx(1))
@@ -100,22 +100,22 @@ def test_block_stats_counts_status():
     assert list(stats["call_rows"]) == ["c0"]
 
 
-def test_a_failed_run_leaves_the_previous_output_and_no_staging(tmp_path):
+def test_a_failed_run_leaves_the_previous_output_and_keeps_what_it_committed(tmp_path):
     out_schema = schema.output_schema(pa.schema([("id", pa.string()), ("text", pa.string())]), "id", "text")
     for run_id, ids, fails in (("run1", ["a"], False), ("run2", ["b"], True)):
         target = OutputTarget(str(tmp_path / "out"), JOB, run_id)
-        target.open()
-        sink = ParquetPartsSink(target.fs, target.staging.data, run_id, out_schema)
+        target.open(rows_in=2)
+        sink = ParquetPartsSink(target.staging, run_id, out_schema, ["id"])
         sink.on_write_start()
         written = sink.write([block(ids, "le128", "c0")], Ctx(0))
         if fails:
-            target.discard()
+            assert target.stop() == "run run2 stopped at 50% (1 rows committed)"
         else:
             write_json_report(target.fs, sink.root, {"job": JOB, "run_id": run_id, "files": [written["file"]]})
             target.plan()
             target.publish()  # nothing there before: a plain rename
         target.close()
-    assert sorted(os.listdir(tmp_path)) == ["out"]
+    assert sorted(os.listdir(tmp_path)) == [".out.run2.staging", "out"]
     assert pq.read_table(tmp_path / "out").column("id").to_pylist() == ["a"]
 
 
