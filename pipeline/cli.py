@@ -29,6 +29,11 @@ EXIT_ERROR_RATE = 3
 
 
 def _fail(code: int, message: str) -> None:
+    # Ray's workers log to this process as they go (a dying actor's last words among them):
+    # stop them first, so that the reason is the last line.
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
     # Plain echo, not rich: the reason must be the last line, unwrapped, for logs and scripts.
     click.echo(f"error: {message}", err=True)
     sys.exit(code)
@@ -171,8 +176,7 @@ def run(job: Path, profile: Path, input_path: str | None, output_path: str | Non
         overrides = (*overrides, "output.backup_existing=true")
     try:
         config = load_config(job, profile, overrides, input_path, output_path, date=date)
-        stopped = "resume" if resume else "restart" if restart else "refuse"
-        report = run_job(config, stopped=stopped).to_json()
+        report = run_job(config, stopped="resume" if resume else "restart" if restart else "refuse").to_json()
     except (ConfigError, InputError, OutputError, OutputBusy) as e:
         _fail(EXIT_BAD_CONFIG, str(e))
     except (PublishError, RunStopped) as e:  # its rows wait in its staging

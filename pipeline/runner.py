@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -121,11 +121,15 @@ def read_and_prepare(config: RunConfig, inputs: Any, settings: PrepareSettings,
     (ObjectRef of committed keys, key columns) of a resumed run."""
     from pipeline.stages.prepare import PrepareStage
 
+    def skipping(ds: Any, **options: Any) -> Any:
+        assert skip is not None
+        return ds.map_batches(skip_committed, fn_kwargs={"committed": [skip[0]], "columns": skip[1]},
+                              batch_format="pyarrow", **options)
+
     ds = inputs.read()
-    passages = len(skip[1]) > 1 if skip else False
+    passages = skip is not None and len(skip[1]) > 1
     if skip and not passages:  # whole documents: skipped before they are tokenized
-        ds = ds.map_batches(skip_committed, fn_kwargs={"committed": [skip[0]], "columns": skip[1]},
-                            batch_format="pyarrow")
+        ds = skipping(ds)
     # Blocks of one tokenizing batch: a read block (a file, a row group, up to 128 MiB)
     # would otherwise come out of prepare whole, and nothing downstream could start
     # before its last row was tokenized.
@@ -139,8 +143,7 @@ def read_and_prepare(config: RunConfig, inputs: Any, settings: PrepareSettings,
         num_cpus=1,
     )
     if skip and passages:  # a document's passages exist once it is cut: skipped by id and passage
-        ds = ds.map_batches(skip_committed, fn_kwargs={"committed": [skip[0]], "columns": skip[1]},
-                            batch_format="pyarrow", num_cpus=0.1)
+        ds = skipping(ds, num_cpus=0.1)
     return ds
 
 
@@ -164,7 +167,8 @@ class RunStopped(RuntimeError):
     """The run failed with rows committed: its staging is kept, and `--resume` continues it."""
 
 
-def run_job(config: RunConfig, run_id: str | None = None, stopped: str = "refuse") -> RunReport:
+def run_job(config: RunConfig, run_id: str | None = None,
+            stopped: Literal["refuse", "resume", "restart"] = "refuse") -> RunReport:
     """Run the job end to end and return its report (also written as `_report.json`).
     `stopped`: what to do with a stopped run of this output: refuse, resume or restart."""
     run_id = run_id or new_run_id()
@@ -183,7 +187,7 @@ def run_job(config: RunConfig, run_id: str | None = None, stopped: str = "refuse
 
     # 2. The output: this run's lease on it, a check of what is there, and the staging.
     target = OutputTarget(job.output.path, job.name, run_id, backup_existing=job.output.backup_existing,
-                          stopped=stopped)  # type: ignore[arg-type]
+                          stopped=stopped)
     target.open(rows_in=inputs.rows)
     try:
         try:

@@ -190,11 +190,6 @@ class EngineFeeder:
         started = self._step_started
         return 0.0 if started is None else time.monotonic() - started
 
-    def rows_held(self) -> int:
-        """Rows of the open calls not finished yet: waiting or in flight."""
-        with self._cv:
-            return sum(len(c.queue) + c.in_flight for c in self._calls if not c.done)
-
     def serve(self, bucket: str, rows: list[tuple[int, list[int]]], sampling: Sampling) -> ServeResult:
         """Generate for `rows` (position, prompt token ids), all of one bucket, with `sampling`."""
         call = _Call(self, bucket, rows, sampling)

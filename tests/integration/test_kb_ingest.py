@@ -5,6 +5,7 @@ from collections import Counter
 
 import jsonschema
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
@@ -86,14 +87,70 @@ def test_annotations_are_typed_columns_whose_values_validate(kb):
     assert a["retried"] >= 1  # 200 tokens cut the JSON off; the retry had room
 
 
-def test_output_that_never_validates_is_kept_raw_with_status_invalid_output(tmp_path, tiny_model):
-    corpus = make_corpus(3, seed=22)
-    report, written = kb_run(tmp_path, tiny_model, corpus, "--set", "annotations.max_new_tokens=8",
+STOPPED_RUN = "20261101T000000Z-dead00"
+
+
+def stop_a_run(written: pa.Table, output, documents: int) -> int:
+    """A run of these passages that was killed with a part committed: that part holds
+    the first passages, cut in the middle of a document. Returns the rows committed."""
+    import time
+
+    from pipeline import schema
+    from pipeline.commits import commit_part
+    from pipeline.output import OutputTarget
+    from pipeline.sink import _block_stats
+
+    ids = written.column("id").to_pylist()
+    cut = next(i for i in range(written.num_rows // 2, written.num_rows) if ids[i] == ids[i - 1])
+    part = written.slice(0, cut)
+    part = part.set_column(part.schema.get_field_index("run_id"), "run_id", pa.array([STOPPED_RUN] * cut))
+    stopped = OutputTarget(str(output), "kb_ingest", STOPPED_RUN)
+    stopped.open(rows_in=documents)
+    name = f"part-{STOPPED_RUN}-00000.parquet"
+    pq.write_table(part, f"{stopped.staging.data}/{name}")
+    nulls = pa.array([None] * cut, pa.string())
+    stats = _block_stats(part.append_column(schema.ENGINE_CALL, nulls).append_column(schema.ENGINE_CALL_STATS, nulls))
+    commit_part(stopped.fs, stopped.staging.root, name, part.select(["id", "passage_index"]),
+                {"file": name, **stats, "written_at": time.time()})
+    stopped.close()  # as if killed: its lease gone, its staging left
+    return cut
+
+
+@pytest.fixture(scope="module")
+def kb_resumed(kb, tmp_path_factory, tiny_model):
+    """One run, two proofs: it resumes a stopped run of the first 4 documents (one cut
+    mid-document; a `datasets` input), and every answer it generates is too short for the
+    JSON (8 tokens, 16 on retry), so each of its rows ends `invalid_output`."""
+    corpus, _, written = kb
+    corpus = corpus.slice(0, 4)
+    mine = written.filter(pc.is_in(written.column("id"), corpus.column("id")))
+    mine = mine.sort_by([("id", "ascending"), ("passage_index", "ascending")])
+    tmp = tmp_path_factory.mktemp("kb-resumed")
+    committed = stop_a_run(mine, tmp / "out", corpus.num_rows)
+    report, resumed = kb_run(tmp, tiny_model, corpus, "--resume", "--set", "passages.tokens=96",
+                             "--set", "passages.overlap=16", "--set", "annotations.max_new_tokens=8",
                              "--set", "annotations.retry_max_new_tokens=16")
-    rows = written.to_pylist()
-    assert {r["status"] for r in rows} == {"invalid_output"}
+    return mine, committed, report, resumed
+
+
+def test_a_stopped_kb_run_resumes_passage_by_passage(kb_resumed):
+    before, committed, report, resumed = kb_resumed
+    keys = lambda t: sorted(zip(t.column("id").to_pylist(), t.column("passage_index").to_pylist()))  # noqa: E731
+    assert keys(resumed) == keys(before)  # every passage once
+    assert report["resume"]["rows_committed_before"] == committed
+    assert report["resume"]["rows_generated"] == before.num_rows - committed
+    runs = Counter(resumed.column("run_id").to_pylist())
+    assert runs == {STOPPED_RUN: committed, report["run_id"]: before.num_rows - committed}
+    assert report["resume"]["lineage"] == [STOPPED_RUN, report["run_id"]] and report["rows_out"] == before.num_rows
+
+
+def test_output_that_never_validates_is_kept_raw_with_status_invalid_output(kb_resumed):
+    _, committed, report, resumed = kb_resumed
+    rows = [r for r in resumed.to_pylist() if r["run_id"] == report["run_id"]]
+    assert rows and {r["status"] for r in rows} == {"invalid_output"}
     for r in rows:
         assert r["raw_output"].startswith("{") and "not valid JSON" in r["error"]
         assert r["summary"] is not None  # the summary stands; only the annotations failed
         assert all(r[k] is None for k in ANNOTATIONS)
     assert report["annotations"]["retried"] == len(rows) == report["status"]["invalid_output"]
+    assert report["status"]["ok"] == committed  # the stopped run's rows, as they were

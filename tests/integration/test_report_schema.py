@@ -17,7 +17,8 @@ TOP = {
     "tokens": dict, "output_tokens_per_s": NUM, "engine_s": NUM, "engine_output_tokens_per_s": NUM,
     "busy_fraction": NUM, "fill": NUM, "batching": dict, "engine": dict, "engine_calls": list, "files": list,
     "versions": dict, "date": OPT_STR, "input_files": dict, "length": dict, "plot_path": OPT_STR,
-    "report_path": str, "publish": dict, "timeline": dict, "checks": dict, "warnings": list,
+    "report_path": str, "publish": dict, "timeline": dict, "checks": dict, "resume": (dict, type(None)),
+    "incidents": list, "warnings": list,
 }
 BATCHING = {"policy": str, "feed": str, "memory_target": (float, type(None)), "rows_per_call": (int, type(None)),
             "tuned_rows": (dict, type(None)), "backoffs": int, "per_bucket": dict, "learned_limits": dict}

@@ -119,12 +119,14 @@ def test_hub_names_are_detected_and_fail_clearly_offline(tmp_path, monkeypatch):
 
 
 def test_reading_a_parent_folder_skips_staging_and_underscore_folders(tmp_path):
-    """A run's staging beside its output (`.out.RUN.staging/output/part-*.parquet`) and
-    other tools' `_temporary/` folders are never input, in folders and globs alike."""
+    """A run's staging beside its output (`.out.RUN.staging/output/part-*.parquet`, and its
+    commit markers in `commits/`, Parquet too) and other tools' `_temporary/` folders are
+    never input, in folders and globs alike."""
     root = tmp_path / "outputs"
     (root / "day1").mkdir(parents=True)
     pq.write_table(table(), root / "day1" / "part-a.parquet")
-    for hidden in (".day2.20261130T000000Z-abcdef.staging/output", "day1/_temporary/0", ".git/objects"):
+    for hidden in (".day2.20261130T000000Z-abcdef.staging/output", ".day2.20261130T000000Z-abcdef.staging/commits",
+                   "day1/_temporary/0", ".git/objects"):
         (root / hidden).mkdir(parents=True)
         pq.write_table(table(), root / hidden / "part-b.parquet")
     _, files = list_files(str(root))

@@ -1,0 +1,252 @@
+"""Crash safety on real Ray and real vLLM (the tiny model), with real kills, by pid.
+
+One corpus, two runs, shared by the assertions (engine starts are the slow part):
+1. a run killed outright, driver and every process of its Ray instance, once a
+   third of its rows are committed (the whole run would take over a minute);
+2. `--resume`, during which the test kills the engine actor, then its engine
+   core, then stops (SIGSTOP) the next engine core: each a restart, the last
+   one found by the stall watchdog.
+The resumed run must account for every input id exactly once, generate only
+the rows that were not committed, and report each incident. A third, cheap run
+shows the restart bound ending an engine that never starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.dev.corpus import write_corpus
+from tests.conftest import REPO
+
+FILES, ROWS_PER_FILE = 30, 20  # 600 rows, one tokenizing batch per file
+STALL_TIMEOUT_S = 6
+
+
+@dataclass
+class Resumed:
+    corpus_ids: list[str]
+    committed_at_kill: int
+    refused: subprocess.CompletedProcess
+    result: subprocess.CompletedProcess
+    report: dict
+    output: Path
+    killed: dict[str, int]  # what the test killed or stopped in the resumed run: kind -> pid
+
+
+def command(tmp: Path, tiny_model: Path, *extra: str, slow_s: float = 3.0) -> list[str]:
+    return [
+        sys.executable, "-m", "pipeline", "run", str(REPO / "jobs/nightly_summarize.yaml"),
+        "--profile", str(REPO / "conf/local.yaml"),
+        "--input", str(tmp / "in"), "--output", str(tmp / "out"),
+        "--set", f"model.name={tiny_model}", "--set", "sampling.max_new_tokens=16",
+        "--set", "batching.learned_limits=null", "--set", "engine.max_model_len=8192",
+        "--set", f"batching.prepare_batch_rows={ROWS_PER_FILE}", "--set", "batching.generate_batch_rows=16",
+        "--set", "bucketing.window_rows=40",
+        # Input that arrives slowly (`slow_s` per file): the run lasts long enough to be killed
+        # mid-way (30 files, 1.5 s each: over a minute with the engine's start), and the resumed
+        # run has rows waiting through its three restarts (20 files, 3 s each).
+        "--set", f"debug.slow_prepare_s={slow_s}",
+        *extra,
+    ]
+
+
+def committed_rows(tmp: Path) -> int:
+    """Rows in the commit markers of any staging beside the output."""
+    total = 0
+    for marker in tmp.glob(".out.*.staging/commits/*.parquet"):
+        try:
+            total += pq.read_metadata(marker).num_rows
+        except (OSError, ValueError):
+            pass  # being written
+    return total
+
+
+def run_processes(driver: psutil.Process, ray_tmp: str) -> list[psutil.Process]:
+    """The driver's process tree, and every process of its Ray instance (their command
+    lines name its own temp dir): all of this run's processes, none of anyone else's."""
+    found = {p.pid: p for p in driver.children(recursive=True)}
+    for p in psutil.process_iter(["cmdline"]):
+        if any(ray_tmp in part for part in p.info["cmdline"] or []):
+            found.setdefault(p.pid, p)
+            for child in p.children(recursive=True):
+                found.setdefault(child.pid, child)
+    found.pop(driver.pid, None)
+    return list(found.values())
+
+
+def engine_cores(driver: psutil.Process) -> list[psutil.Process]:
+    """The engine cores of this run's live engine actors (a core whose actor just died
+    may outlive it for a moment: not one of these)."""
+    cores = []
+    for p in driver.children(recursive=True):
+        try:
+            parent = p.parent()
+            if ("EngineCore" in p.name() or "EngineCore" in " ".join(p.cmdline())) and parent is not None \
+                    and "GenerateStage" in " ".join(parent.cmdline()):
+                cores.append(p)
+        except psutil.Error:
+            pass
+    return cores
+
+
+def wait_for(what: str, check: Callable[[], object], proc: subprocess.Popen, timeout_s: float = 240) -> object:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = check()
+        if found:
+            return found
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended (exit {proc.returncode}) before {what}: "
+                                 f"{proc.log.read_text()[-4000:]}")  # type: ignore[attr-defined]
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def end_all(processes: list[psutil.Process]) -> None:
+    for p in processes:
+        try:
+            p.send_signal(signal.SIGCONT)  # a stopped process cannot act on anything else
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(processes, timeout=10)
+
+
+@pytest.fixture(scope="module")
+def ray_tmp() -> Iterator[str]:
+    """Each run's Ray instance under a temp dir of this test's own (short: Ray's sockets
+    live there), so the test can tell its processes from any other Ray on this machine."""
+    path = tempfile.mkdtemp(prefix="rr-", dir="/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def start(cmd: list[str], ray_tmp: str, log: Path) -> tuple[subprocess.Popen, psutil.Process]:
+    """The run in the background, its output to `log` (a pipe nobody reads would fill up
+    and stop it)."""
+    env = {**os.environ, "RAY_TMPDIR": ray_tmp}
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+    proc.log = log  # type: ignore[attr-defined]
+    return proc, psutil.Process(proc.pid)
+
+
+@pytest.fixture(scope="module")
+def resumed(tiny_model, tmp_path_factory, ray_tmp) -> Iterator[Resumed]:
+    tmp = tmp_path_factory.mktemp("resume")
+    whole = pq.read_table(write_corpus(tmp / "whole.parquet", rows=FILES * ROWS_PER_FILE, seed=21))
+    (tmp / "in").mkdir()
+    for k in range(FILES):
+        pq.write_table(whole.slice(k * ROWS_PER_FILE, ROWS_PER_FILE), tmp / "in" / f"part-{k:02d}.parquet")
+    ids = whole.column("id").to_pylist()
+    started: list[psutil.Process] = []
+    try:
+        # 1. Killed outright, driver first, once a third of the rows are committed.
+        proc, driver = start(command(tmp, tiny_model, slow_s=1.5), ray_tmp, tmp / "killed.log")
+        wait_for("a third of the rows committed", lambda: committed_rows(tmp) >= len(ids) // 3, proc)
+        everything = run_processes(driver, ray_tmp)
+        started += everything
+        driver.kill()
+        proc.wait(30)
+        end_all(everything)
+        at_kill = committed_rows(tmp)
+
+        # Without --resume the next run stops, naming the stopped run and its progress.
+        refused = subprocess.run(command(tmp, tiny_model), cwd=REPO, capture_output=True, text=True, timeout=120)
+
+        # 2. --resume, with the engine actor killed, then its engine core, then a core stopped.
+        proc, driver = start(command(tmp, tiny_model, "--resume", "--set", "engine.max_restarts=4",
+                                     "--set", f"engine.stall_timeout_s={STALL_TIMEOUT_S}"), ray_tmp,
+                             tmp / "resumed.log")
+        killed: dict[str, int] = {}
+        for kind in ("actor", "core", "stop"):
+            # An engine serving rows: a core none of the kills so far touched, and parts
+            # committed since it was first seen (so its start-up is over).
+            fresh = wait_for(f"a fresh engine core to {kind}", lambda: [
+                c for c in engine_cores(driver) if c.pid not in killed.values() and c.ppid() not in killed.values()
+            ], proc)
+            core, base = fresh[0], committed_rows(tmp)
+            wait_for(f"rows committed by engine core {core.pid}", lambda: committed_rows(tmp) > base, proc)
+            started += run_processes(driver, ray_tmp)
+            if kind == "actor":
+                killed[kind] = core.ppid()  # the engine actor's process: the core's parent
+                os.kill(killed[kind], signal.SIGKILL)
+            elif kind == "core":
+                killed[kind] = core.pid
+                os.kill(core.pid, signal.SIGKILL)
+            else:
+                killed[kind] = core.pid
+                os.kill(core.pid, signal.SIGSTOP)
+        proc.wait(timeout=600)
+        result = subprocess.CompletedProcess(proc.args, proc.returncode, "", (tmp / "resumed.log").read_text())
+        report = json.loads((tmp / "out" / "_report.json").read_text()) if proc.returncode == 0 else {}
+        yield Resumed(ids, at_kill, refused, result, report, tmp / "out", killed)
+    finally:
+        end_all([p for p in started if p.is_running()])
+
+
+def test_a_stopped_run_stops_the_next_one_with_its_progress(resumed):
+    assert resumed.refused.returncode == 2
+    last = resumed.refused.stderr.strip().splitlines()[-1]
+    assert "stopped at" in last and "rows committed" in last and "--resume" in last and "--restart" in last
+
+
+def test_the_resumed_run_holds_every_id_once_and_generated_only_what_was_missing(resumed):
+    assert resumed.result.returncode == 0, resumed.result.stderr[-4000:]
+    written = pq.read_table(resumed.output)
+    assert sorted(written.column("id").to_pylist()) == sorted(resumed.corpus_ids)
+    assert set(written.column("status").to_pylist()) == {"ok"}
+    assert pc.min(pc.utf8_length(written.column("summary"))).as_py() > 0
+    resume = resumed.report["resume"]
+    assert resume["rows_committed_before"] >= resumed.committed_at_kill >= len(resumed.corpus_ids) // 3
+    assert resume["rows_generated"] == len(resumed.corpus_ids) - resume["rows_committed_before"]
+    # Each row names the run that generated it; the report names both.
+    assert resume["lineage"] == sorted(set(written.column("run_id").to_pylist()))
+    assert len(resume["lineage"]) == 2 and resume["lineage"][-1] == resumed.report["run_id"]
+    # The staging was published, the lock released: nothing else is left beside the output.
+    left = sorted(p.name for p in resumed.output.parent.iterdir() if not p.name.endswith(".log"))
+    assert left == ["in", "out", "whole.parquet"]
+
+
+def test_every_kill_and_the_stall_are_restarts_in_the_report(resumed):
+    assert resumed.result.returncode == 0, resumed.result.stderr[-4000:]
+    incidents = resumed.report["incidents"]
+    kinds = [i["kind"] for i in incidents]
+    assert kinds[0] == "resume"
+    assert kinds.count("restart") == 3, incidents
+    died = [i for i in incidents if i["kind"] == "engine_died"]
+    assert len(died) == 1 and "not of memory" in died[0]["cause"]
+    stall = [i for i in incidents if i["kind"] == "stall"]
+    assert len(stall) == 1 and f"engine.stall_timeout_s {STALL_TIMEOUT_S}" in stall[0]["cause"]
+    # The watchdog ended the stopped core.
+    assert not psutil.pid_exists(resumed.killed["stop"]) or psutil.Process(resumed.killed["stop"]).status() == "zombie"
+
+
+def test_an_engine_that_never_starts_ends_the_run_within_the_bound(tiny_model, tmp_path, ray_tmp):
+    corpus = write_corpus(tmp_path / "in" / "c.parquet", rows=20, seed=3)
+    result = subprocess.run(
+        [sys.executable, "-m", "pipeline", "run", str(REPO / "jobs/nightly_summarize.yaml"),
+         "--profile", str(REPO / "conf/local.yaml"), "--input", str(corpus), "--output", str(tmp_path / "out"),
+         "--set", f"model.name={tiny_model}", "--set", "batching.learned_limits=null",
+         "--set", "engine.max_restarts=1", "--set", "debug.engine_fails_on_start=true"],
+        cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "RAY_TMPDIR": ray_tmp},
+    )
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert "engine.max_restarts=1" in last and "debug.engine_fails_on_start" in last, result.stderr[-3000:]
+    assert not (tmp_path / "out").exists()
