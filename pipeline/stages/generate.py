@@ -17,10 +17,8 @@ policy's settings from the config, turns rows into requests and completions
 into columns; what is generated, and how, is `pipeline.generation.tasks`.
 
 Crashes: an engine core that dies of something other than memory, or a step
-that hangs past `engine.stall_timeout_s` (a watchdog thread), ends the actor's
-process after logging the incident with the pool (`pipeline.pool`). Ray starts
-the actor afresh, up to `engine.max_restarts` times, and retries every block it
-held; none of their rows was written, so none is written twice.
+that hangs past `engine.stall_timeout_s`, ends the actor (`pipeline.stages.lifeline`),
+and Ray starts it afresh with the blocks it held.
 
 Annotations are a second call per bucket, constrained by vLLM structured
 outputs to the job's JSON Schema. Each output is parsed and validated; the
@@ -32,16 +30,14 @@ off is the usual cause), and a row that fails again gets status
 from __future__ import annotations
 
 import json
-import logging
 import os
 import socket
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from itertools import groupby
-from typing import Any, NoReturn
+from typing import Any
 
 import pyarrow as pa
 
@@ -57,9 +53,8 @@ from pipeline.generation.tasks import EngineCalls, annotate, map_reduce, summari
 from pipeline.generation.vllm import VLLMEngine, VLLMSettings
 from pipeline.length import char_span, windows
 from pipeline.schema import Status
+from pipeline.stages.lifeline import Lifeline
 from pipeline.stages.prepare import PrepareSettings, PrepareStage
-
-log = logging.getLogger(__name__)
 
 
 def bucket_runs(rows: list[int], buckets: list[int], grouping: str,
@@ -128,20 +123,6 @@ def where_am_i() -> dict[str, Any]:
             "package_path": os.path.dirname(os.path.abspath(pipeline.__file__))}
 
 
-def actor_identity() -> tuple[str, bool]:
-    """This actor's id, the same across its restarts, and whether this is a restart."""
-    try:
-        import ray
-
-        if ray.is_initialized():
-            ctx = ray.get_runtime_context()
-            actor = ctx.get_actor_id()
-            if actor is not None:
-                return actor, bool(ctx.was_current_actor_reconstructed)
-    except ImportError:
-        pass
-    return uuid.uuid4().hex, False
-
 
 def make_policy(settings: GenerateSettings, engine: Engine, learned: dict[str, int] | None) -> BatchPolicy:
     """The batch policy the settings name, built for this engine."""
@@ -171,26 +152,14 @@ class GenerateStage:
         self.model_name = settings.model_name
         self.run_id = settings.run_id
         self.bucketer = LengthBucketer(settings.prepare.bucket_boundaries)
-        self.actor = uuid.uuid4().hex[:8]  # this incarnation
-        self.gate = settings.pool_gate
-        self.key, restarted = actor_identity()
-        self.exit_process = exit_process
-        self._held: dict[str, int] = {}  # the blocks this actor is serving: id -> rows
-        self._held_lock = threading.Lock()
-        self._ending = False  # set by the one thread that ends this process
-        self._exited = threading.Event()
-        if restarted:
-            self._incident("restart", "the actor's process had ended; started afresh", restarted=True)
+        self.life = Lifeline(settings.pool_gate, exit_process)
+        self.actor = self.life.incarnation
         try:
             if settings.fail_on_start:
                 raise RuntimeError("debug.engine_fails_on_start: the engine failed to start")
             self.engine = engine or VLLMEngine(settings.engine)
         except Exception as e:
-            self._incident("start_failed", f"{type(e).__name__}: {e}")
-            if restarted:
-                # A restarted actor whose start raises would be dead for good, and with it the
-                # blocks Ray retries on it: end the process instead, so the restart bound decides.
-                self.exit_process(1)
+            self.life.start_failed(e)
             raise
         self.policy = make_policy(settings, self.engine, learned)
         self.feeder = EngineFeeder(self.engine, self.policy, feed=settings.feed,
@@ -206,52 +175,12 @@ class GenerateStage:
         self.placement = where_am_i()
         self.ready_at = round(time.time(), 3)
         # Wait for the other engines, and for the driver's checks (None: go ahead).
-        self.refused = self.gate.wait() if self.gate is not None else None
+        self.refused = settings.pool_gate.wait() if settings.pool_gate is not None else None
         if settings.stall_timeout_s:
-            threading.Thread(target=self._watch_for_stalls, args=(settings.stall_timeout_s,), daemon=True,
-                             name="stall-watchdog").start()
+            self.life.watch(self.feeder.stalled_s, settings.stall_timeout_s, self._kill_core())
 
-    # -- incidents: what ends this actor, for the report --------------------------------
-
-    def _incident(self, kind: str, cause: str, restarted: bool = False, **counts: int) -> None:
-        event = {"at": round(time.time(), 3), "kind": kind, "actor": self.key, "incarnation": self.actor,
-                 "pid": os.getpid(), "cause": cause, **counts}
-        log.warning("engine actor %s: %s: %s", self.actor, kind, cause)
-        if self.gate is not None:
-            self.gate.note(event, restarted=restarted)
-
-    def _die(self, kind: str, cause: str) -> NoReturn:
-        """End this actor's process, engine core first; Ray starts it afresh and retries its blocks.
-        Every open call meets the crash: the first one logs it and ends the process, the others
-        wait for the end (an exception of theirs would fail the run, not restart the actor)."""
-        with self._held_lock:
-            blocks, rows = len(self._held), sum(self._held.values())
-            ending, self._ending = self._ending, True
-        if ending:
-            self._exited.wait()  # in an actor, for good: the process is ending
-            raise EngineCrashed(cause)  # only where exit_process returns (tests)
-        self._incident(kind, cause, blocks=blocks, rows=rows)
-        try:
-            kill = getattr(self.engine, "kill_core", None)
-            if kill is not None:
-                kill()
-        finally:
-            try:
-                self.exit_process(1)
-            finally:
-                self._exited.set()
-        raise SystemExit(1)  # only where exit_process returns (tests)
-
-    def _watch_for_stalls(self, timeout_s: float) -> None:
-        while True:
-            time.sleep(min(5.0, timeout_s / 5))
-            stalled = self.feeder.stalled_s()
-            if stalled > timeout_s:
-                try:
-                    self._die("stall", f"an engine step ran {stalled:.0f} s without returning "
-                                       f"(engine.stall_timeout_s {timeout_s:g}): the engine is hung")
-                except SystemExit:  # only where exit_process returns (tests)
-                    return
+    def _kill_core(self) -> Callable[[], None] | None:
+        return getattr(self.engine, "kill_core", None)
 
     def engine_info(self) -> dict[str, Any]:
         return {
@@ -310,20 +239,11 @@ class GenerateStage:
     def __call__(self, batch: pa.Table) -> pa.Table:
         if self.refused is not None:
             raise RunRefused(self.refused)
-        block = uuid.uuid4().hex[:8]
-        with self._held_lock:
-            self._held[block] = batch.num_rows
-        if self.gate is not None:
-            self.gate.hold(self.key, block, batch.num_rows)
-        try:
-            out = self._generate(batch)
-        except EngineCrashed as e:
-            self._die("engine_died", str(e))
-        with self._held_lock:
-            self._held.pop(block)
-        if self.gate is not None:
-            self.gate.release(self.key, block)
-        return out
+        with self.life.serving(batch.num_rows):
+            try:
+                return self._generate(batch)
+            except EngineCrashed as e:
+                self.life.end("engine_died", str(e), self._kill_core())
 
     def _generate(self, batch: pa.Table) -> pa.Table:
         n = batch.num_rows
