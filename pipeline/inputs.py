@@ -114,12 +114,23 @@ def _check_columns(f: str, file_schema: pa.Schema, id_column: str, text_column: 
     if pa.types.is_nested(id_type) or pa.types.is_floating(id_type):
         raise InputError(f"{f}: id column {id_column!r} is {id_type}, expected strings or integers")
     for key, names in template_fields.items():
-        missing = sorted(names - set(file_schema.names))
+        where = f"{job_file + ': ' if job_file else ''}{key}"
+        missing = sorted(n for n in names if n.split(".")[0] not in file_schema.names)
         if missing:
             raise InputError(
-                f"{job_file + ': ' if job_file else ''}{key} names {missing}, which are not columns of {f} "
+                f"{where} names {missing}, which are not columns of {f} "
                 f"(columns: {', '.join(file_schema.names)})"
             )
+        for name in sorted(n for n in names if "." in n):
+            column, sub = name.split(".", 1)
+            column_type = file_schema.field(column).type
+            if not pa.types.is_struct(column_type):
+                raise InputError(f"{where} names {{{name}}}, but column {column!r} of {f} is {column_type}, "
+                                 "not a struct")
+            fields = [column_type.field(k).name for k in range(column_type.num_fields)]
+            if sub not in fields:
+                raise InputError(f"{where} names {{{name}}}, but struct column {column!r} of {f} has no field "
+                                 f"{sub!r} (fields: {', '.join(fields)})")
 
 
 def _check_file(fs: pafs.FileSystem, f: str, id_column: str, text_column: str,
@@ -202,6 +213,8 @@ def check_inputs(path: str, id_column: str, text_column: str,
                  job_file: str | None = None) -> InputFiles:
     """Find the input, read its schema, and check the columns the job needs.
 
+    `template_fields`: what each template names, by job key: a column (`text`) or a
+    struct column's field (`meta.title`, which must be a field of a struct column).
     Parquet: with `on_bad_file="skip"` a file that fails a check is left out
     and listed in `skipped`; otherwise the first one stops the run.
     """

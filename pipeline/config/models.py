@@ -39,6 +39,9 @@ class InputConfig(_Section):
     on_bad_file: Literal["fail", "skip"] = Field(
         "fail", description="A file that is unreadable or lacks the columns: stop the run, or skip it and report it."
     )
+    null_as: str = Field(
+        "", description="What a null column or struct field that a template names renders as (never `None`)."
+    )
 
 
 class OutputConfig(_Section):
@@ -50,27 +53,62 @@ class OutputConfig(_Section):
     )
 
 
+def parse_template(template: str) -> list[tuple[str, str | None]]:
+    """The (column, struct field or None) each `{...}` of `template` names, in order.
+
+    A field names a column (`{text}`) or one field of a struct column
+    (`{meta.title}`), and nothing else: row data is text, so no indexing, no
+    attribute chains, no conversions (`!r`) and no format specs (`:>9`, which
+    would let a template, or a row, ask for gigabytes of padding). ValueError
+    names the offending field.
+    """
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as e:
+        raise ValueError(f"not a valid template ({e}); write a literal brace as {{{{ or }}}}") from None
+    refs: list[tuple[str, str | None]] = []
+    allowed = "a field is a column ({text}) or a field of a struct column ({meta.title})"
+    for _, name, spec, conversion in parsed:
+        if name is None:
+            continue
+        shown = "{" + name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "") + "}"
+        if name == "" or name.isdigit():
+            raise ValueError("positional fields ({} or {0}) name no column; write {column}")
+        if conversion:
+            raise ValueError(f"{shown}: conversions (!{conversion}) are not allowed; {allowed}")
+        if spec:
+            raise ValueError(f"{shown}: format specs (:{spec}) are not allowed; {allowed}")
+        if "[" in name or "]" in name:
+            raise ValueError(f"{shown}: indexing is not allowed; {allowed}")
+        parts = name.split(".")
+        if len(parts) > 2 or any(not p or p.startswith("__") for p in parts):
+            raise ValueError(f"{shown}: attribute access is not allowed; {allowed}")
+        refs.append((parts[0], parts[1] if len(parts) == 2 else None))
+    return refs
+
+
 class PromptConfig(_Section):
-    system: str | None = Field(None, description="System message, when the chat template takes one.")
+    system: str | None = Field(
+        None, description="System message, when the chat template takes one; literal text (no fields)."
+    )
     template: str = Field(
-        description="User message; `{field}` names a column of the row, e.g. `{text}`."
+        description="User message; `{column}` names a column of the row, e.g. `{text}`, and "
+        "`{column.field}` a field of a struct column. Nothing else: no indexing, `!r` or `:spec`."
     )
 
     @field_validator("template")
     @classmethod
     def _parses(cls, template: str) -> str:
-        try:
-            names = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
-        except ValueError as e:
-            raise ValueError(f"not a valid template ({e}); write a literal brace as {{{{ or }}}}") from None
-        if "" in names or any(n.isdigit() for n in names):
-            raise ValueError("positional fields ({} or {0}) name no column; write {column}")
+        parse_template(template)
         return template
 
     def fields(self) -> set[str]:
         """The row columns the template names (`{source}`, `{meta.title}` -> meta)."""
-        names = (name for _, name, _, _ in string.Formatter().parse(self.template) if name)
-        return {name.split(".")[0].split("[")[0] for name in names}
+        return {column for column, _ in parse_template(self.template)}
+
+    def references(self) -> set[str]:
+        """What the template names, as written: `source`, `meta.title`."""
+        return {column if f is None else f"{column}.{f}" for column, f in parse_template(self.template)}
 
 
 class SamplingConfig(_Section):
@@ -160,10 +198,10 @@ class JobConfig(_Section):
         return self
 
     def template_fields(self) -> dict[str, set[str]]:
-        """Row columns each template names, by the job key that holds the template."""
-        out = {"prompt.template": self.prompt.fields()}
+        """What each template names (`text`, `meta.title`), by the job key that holds the template."""
+        out = {"prompt.template": self.prompt.references()}
         if self.annotations is not None:
-            out["annotations.prompt.template"] = self.annotations.prompt.fields()
+            out["annotations.prompt.template"] = self.annotations.prompt.references()
         return out
 
 

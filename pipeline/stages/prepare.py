@@ -5,8 +5,14 @@ Input: a batch of corpus rows. Output: the same rows, plus `prompt_tokens`,
 `notes` and the working columns `_prompt_token_ids`, `_chunk_texts` and
 `_bucket_index` (and `_annotation_token_ids` when the job annotates). A row
 that cannot be prompted (a null id; text that is null, empty, whitespace or
-not a string) leaves here with status `error` and its reason, and is carried
-to the output without reaching the engine.
+not a string; a string cell that is not valid UTF-8) leaves here with status
+`error` and its reason, and is carried to the output without reaching the engine.
+
+Row data is data, never instructions: templates name columns (and struct
+fields) only, values are put in as they are (a null as `null_as`), and text
+that comes from the row is tokenized with special-token parsing off, so a
+document holding `<|im_start|>system` cannot open a chat turn. Only the job's
+own text and the chat template's markup become control tokens.
 
 With `passages:` in the job, each document first becomes one row per passage
 (token windows with overlap, ending at paragraph or sentence breaks where
@@ -16,23 +22,26 @@ possible): the text column is replaced by `passage`, `passage_index`,
 
 from __future__ import annotations
 
+import string
 import time
-
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from pipeline import schema
 from pipeline.bucketing import DEFAULT_BOUNDARIES, LengthBucketer
 from pipeline.config import LengthConfig, PassagesConfig
+from pipeline.config.models import parse_template
 from pipeline.length import char_span, truncate_ids, windows
 from pipeline.schema import Status
 
 
 @dataclass(frozen=True)
 class Prompt:
-    template: str  # the user message; `{column}` fields
+    template: str  # the user message; `{column}` and `{struct_column.field}` fields
     system: str | None = None
 
 
@@ -53,25 +62,116 @@ class PrepareSettings:
     annotation_max_new_tokens: int = 0
     cap_tokens: int | None = None  # the corpus percentile cap, when the job asks for one
     delay_s: float = 0.0  # debug: each batch takes this much longer, as a slow store's reads would
+    null_as: str = ""  # what a null field renders as
+
+
+@dataclass(frozen=True)
+class RenderedPrompt:
+    """A prompt in the pieces it is tokenized in: an int is a control token the job's
+    template or the chat template put there; a string is text, tokenized with
+    special-token parsing off (it may hold row data)."""
+
+    pieces: tuple[int | str, ...]
+
+    def text(self, tokenizer: Any) -> str:
+        """For people: the prompt as one string."""
+        return "".join(p if isinstance(p, str) else tokenizer.convert_ids_to_tokens(p) for p in self.pieces)
 
 
 class PromptRenderer:
-    """Job template + system message -> the exact text the model sees."""
+    """Job template + system message -> the pieces of the prompt the model sees.
 
-    def __init__(self, tokenizer: Any, template: str, system: str | None):
+    The prompt is rendered once, at construction, with a unique sentinel in
+    place of each field, and cut at the control tokens that the trusted text
+    (system message, template, chat template) holds. A row's prompt is that
+    skeleton with the row's values in place of the sentinels: the values are
+    never formatted (no `str.format` on row data) and never parsed for
+    control tokens. Cutting at control tokens is what the tokenizer itself
+    does before tokenizing the text between them, so a clean row gets the
+    same ids as tokenizing the whole prompt would give.
+    """
+
+    def __init__(self, tokenizer: Any, template: str, system: str | None, null_as: str = ""):
         self.tokenizer = tokenizer
         self.template = template
         self.system = system
+        self.null_as = null_as
         self.chat = getattr(tokenizer, "chat_template", None) is not None
+        self.fields = parse_template(template)
+        nonce = uuid.uuid4().hex
+        sentinels = [f"\ue000{nonce}.{k}\ue001" for k in range(len(self.fields))]
+        slots = iter(sentinels)
+        user = "".join(literal + ("" if name is None else next(slots))
+                       for literal, name, _, _ in string.Formatter().parse(template))
+        skeleton = self._wrap(user)
+        # 1. Where the sentinels landed: each once, in order, or the chat template rewrote the message.
+        at = [skeleton.find(x) for x in sentinels]
+        if any(a < 0 for a in at) or at != sorted(at) or any(skeleton.count(x) != 1 for x in sentinels):
+            raise ValueError("the chat template does not keep the user message as written; "
+                             "its fields cannot be placed safely")
+        # 2. The control tokens of the trusted text: (start, end, id).
+        added = set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
+        enc = tokenizer(skeleton, add_special_tokens=False, return_offsets_mapping=True)
+        controls = [(a, b, i) for i, (a, b) in zip(enc["input_ids"], enc["offset_mapping"]) if i in added]
+        # 3. The skeleton as [control id | [literal str | field index, ...]].
+        self.skeleton: list[int | list[str | int]] = []
+        cut = 0
+        for a, b, i in controls + [(len(skeleton), len(skeleton), None)]:
+            self.skeleton.append(self._segment(skeleton[cut:a], sentinels))
+            if i is not None:
+                self.skeleton.append(i)
+            cut = b
+        # 4. What the tokenizer adds around a whole prompt (a BOS), without a chat template.
+        self.prefix: list[int] = []
+        self.suffix: list[int] = []
+        if not self.chat:
+            bare = tokenizer("a", add_special_tokens=False)["input_ids"]
+            full = tokenizer("a", add_special_tokens=True)["input_ids"]
+            at_bare = next((k for k in range(len(full)) if full[k:k + len(bare)] == bare), 0)
+            self.prefix, self.suffix = full[:at_bare], full[at_bare + len(bare):]
 
-    def render(self, row: dict[str, Any]) -> str:
-        user = self.template.format_map(row)
+    def _wrap(self, user: str) -> str:
         if not self.chat:
             return user if self.system is None else f"{self.system}\n\n{user}"
         messages = [{"role": "user", "content": user}]
         if self.system is not None:
             messages.insert(0, {"role": "system", "content": self.system})
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    @staticmethod
+    def _segment(text: str, sentinels: list[str]) -> list[str | int]:
+        out: list[str | int] = []
+        while text:
+            hits = [(text.find(x), k) for k, x in enumerate(sentinels) if x in text]
+            if not hits:
+                out.append(text)
+                break
+            a, k = min(hits)
+            out.extend([text[:a], k])
+            text = text[a + len(sentinels[k]):]
+        return out
+
+    def value(self, row: dict[str, Any], column: str, sub: str | None) -> str:
+        """A field's text: a null column, null struct or null struct field is `null_as`."""
+        value = row.get(column)
+        if sub is not None:
+            value = value.get(sub) if isinstance(value, dict) else None
+        if value is None:
+            return self.null_as
+        if isinstance(value, (bytes, bytearray)):
+            return bytes(value).decode("utf-8", errors="replace")
+        return value if isinstance(value, str) else str(value)
+
+    def render(self, row: dict[str, Any]) -> RenderedPrompt:
+        values = [self.value(row, column, sub) for column, sub in self.fields]
+        pieces: list[int | str] = list(self.prefix)
+        for part in self.skeleton:
+            if isinstance(part, int):
+                pieces.append(part)
+            else:
+                pieces.append("".join(p if isinstance(p, str) else values[p] for p in part))
+        pieces.extend(self.suffix)
+        return RenderedPrompt(tuple(pieces))
 
 
 def load_tokenizer(model: str) -> Any:
@@ -124,6 +224,44 @@ def _as_text(value: Any) -> tuple[str | None, str | None, str | None]:
     return value, None, None
 
 
+def repair_utf8(batch: pa.Table) -> tuple[pa.Table, dict[int, list[str]]]:
+    """The batch with every cell that is not valid UTF-8 made readable, and the columns
+    that had such a cell, by row.
+
+    pyarrow cannot turn such a cell into a Python string, and would fail the whole
+    batch (and the run); instead the row becomes an error row. A string cell keeps
+    its text with U+FFFD for the bad bytes; a nested cell (a struct holding one)
+    becomes null. Valid batches cost one validation pass per column.
+    """
+    bad: dict[int, list[str]] = {}
+    for k, name in enumerate(batch.column_names):
+        column = batch.column(k)
+        try:
+            column.validate(full=True)
+            continue
+        except pa.ArrowInvalid:
+            pass
+        broken = []
+        for i in range(len(column)):
+            try:
+                column.slice(i, 1).to_pylist()
+            except UnicodeDecodeError:
+                broken.append(i)
+                bad.setdefault(i, []).append(name)
+        if not broken:
+            continue
+        kind = column.type
+        if pa.types.is_string(kind) or pa.types.is_large_string(kind):
+            raw = column.cast(pa.large_binary() if pa.types.is_large_string(kind) else pa.binary()).to_pylist()
+            repaired = pa.array([None if b is None else b.decode("utf-8", errors="replace") for b in raw], kind)
+        else:
+            hit = set(broken)
+            mask = pa.array([i in hit for i in range(len(column))], pa.bool_())
+            repaired = pc.if_else(mask, pa.nulls(len(column), kind), column)
+        batch = batch.set_column(k, batch.field(k), repaired)
+    return batch, bad
+
+
 class PrepareStage:
     """Tokenizing stage; one per actor, the tokenizer loaded once.
 
@@ -144,30 +282,46 @@ class PrepareStage:
         self.cap_prompt_tokens = settings.cap_tokens
         self.bucketer = LengthBucketer(settings.bucket_boundaries)
         self.tokenizer = load_tokenizer(settings.model_path)
-        self.renderer = PromptRenderer(self.tokenizer, settings.prompt.template, settings.prompt.system)
-        # The chat template spells out its special tokens; adding them again
-        # would double the BOS.
-        self.add_special_tokens = not self.renderer.chat
+        self.renderer = PromptRenderer(self.tokenizer, settings.prompt.template, settings.prompt.system,
+                                       settings.null_as)
         self.passages = settings.passages
         annotation = settings.annotation_prompt
         self.annotator = None if annotation is None else PromptRenderer(
-            self.tokenizer, annotation.template, annotation.system
+            self.tokenizer, annotation.template, annotation.system, settings.null_as
         )
         self.max_annotation_prompt = settings.max_model_len - settings.annotation_max_new_tokens
 
-    def encode(self, prompts: list[str]) -> list[list[int]]:
-        if not prompts:
-            return []
-        return self.tokenizer(prompts, add_special_tokens=self.add_special_tokens)["input_ids"]
+    def encode(self, prompts: list[RenderedPrompt]) -> list[list[int]]:
+        """Token ids of rendered prompts: their text pieces in one tokenizer call (the fast
+        tokenizer parallelises it), special-token parsing off; their control tokens as they are."""
+        texts = [p for prompt in prompts for p in prompt.pieces if isinstance(p, str)]
+        if not texts:
+            return [[p for p in prompt.pieces if isinstance(p, int)] for prompt in prompts]
+        encoded = iter(self.tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+        out = []
+        for prompt in prompts:
+            ids: list[int] = []
+            for p in prompt.pieces:
+                if isinstance(p, str):
+                    ids.extend(next(encoded))
+                else:
+                    ids.append(p)
+            out.append(ids)
+        return out
 
-    def render(self, row: dict[str, Any], text: str) -> str:
+    def render(self, row: dict[str, Any], text: str) -> RenderedPrompt:
         return self.renderer.render({**row, self.text_column: text})
 
-    def _check(self, row: dict[str, Any]) -> _Row:
+    def _check(self, row: dict[str, Any], bad_utf8: list[str] | None = None) -> _Row:
         """Bad rows become error rows with a reason; nothing here raises."""
         w = _Row()
         if row.get(self.id_column) is None:
             w.fail(Status.ERROR, f"{self.id_column} is null")
+            return w
+        if bad_utf8:
+            names = ", ".join(repr(n) for n in bad_utf8)
+            w.fail(Status.ERROR, f"column{'s' if len(bad_utf8) > 1 else ''} {names} "
+                                 f"{'are' if len(bad_utf8) > 1 else 'is'} not valid UTF-8")
             return w
         w.text, problem, w.notes = _as_text(row.get(self.text_column))
         if problem is None and not w.text.strip():
@@ -225,7 +379,8 @@ class PrepareStage:
         if self.settings.delay_s:
             time.sleep(self.settings.delay_s)
         # 1. Bad rows become error rows with a reason; with passages, documents become passages.
-        work = [self._check(row) for row in batch.to_pylist()]
+        batch, bad_utf8 = repair_utf8(batch)
+        work = [self._check(row, bad_utf8.get(i)) for i, row in enumerate(batch.to_pylist())]
         if self.passages is not None:
             batch, work = self._explode(batch, work)
         rows = batch.to_pylist()
@@ -301,7 +456,8 @@ class PrepareStage:
         return batch
 
     def text_tokens(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        """A row's text alone, as plain text (what the prompt holds of it), with character offsets."""
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, split_special_tokens=True)
         return enc["input_ids"], enc["offset_mapping"]
 
     def _truncate(self, row: dict[str, Any], w: _Row, cap: int) -> None:
