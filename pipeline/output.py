@@ -162,19 +162,21 @@ class Staging:
     def remove(self) -> bool:
         """Delete the staging if its marker names this run; False (and nothing deleted) otherwise."""
         mark = read_marker(self.fs, self.root)
-        if mark is None or mark.run_id != self.owner.run_id:
+        if mark is None or mark[0].run_id != self.owner.run_id:
             log.warning("not removing %s: its marker does not name run %s", self.root, self.owner.run_id)
             return False
         self.fs.delete_dir(self.root)
         return True
 
 
-def read_marker(fs: pafs.FileSystem, root: str) -> Owner | None:
+def read_marker(fs: pafs.FileSystem, root: str) -> tuple[Owner, dict[str, Any]] | None:
+    """The run a staging's marker names, and the whole marker; None if it has no readable one."""
     data = read_bytes(fs, f"{root}/{STAGING_MARKER}")
     if data is None:
         return None
     try:
-        return Owner.from_json(json.loads(data))
+        marker = json.loads(data)
+        return Owner.from_json(marker), marker
     except (ValueError, KeyError, TypeError):
         return None
 
@@ -205,11 +207,10 @@ def stopped_runs(fs: pafs.FileSystem, output: str, exclude: str = "") -> list[St
         name = e.base_name
         if (e.type == pafs.FileType.Directory and name.startswith(f".{base}.") and name.endswith(STAGING_SUFFIX)
                 and e.path != exclude):
-            raw = read_bytes(fs, f"{e.path}/{STAGING_MARKER}")
-            owner = read_marker(fs, e.path)
-            if raw is None or owner is None:
+            mark = read_marker(fs, e.path)
+            if mark is None:
                 continue  # not marked by this pipeline: not ours to judge
-            marker = json.loads(raw)
+            owner, marker = mark
             found.append(Stopped(e.path, owner, str(marker.get("created_at", "")), marker.get("rows_in"),
                                  tuple(marker.get("lineage") or ()), load_commits(fs, e.path)))
     return sorted(found, key=lambda s: s.created_at)
@@ -291,6 +292,7 @@ class OutputTarget:
         self.resumed: Stopped | None = None  # the stopped run this one continues
         self.committed = Committed()  # what this run's staging already holds for good
         self.lineage: tuple[str, ...] = ()  # the runs whose rows this output holds, before this one
+        self.rows_in: int | None = None  # the input's rows, as `open` was told
 
     def survey(self) -> Survey:
         return survey(self.fs, self.path, self.job)
@@ -299,6 +301,7 @@ class OutputTarget:
         """Take the lease, check the output, deal with stopped runs, create (or adopt) the
         staging. OutputError or OutputBusy (both ValueErrors: exit 2) if this run may not
         write here."""
+        self.rows_in = rows_in
         taken = self.lease.acquire()
         try:
             if taken:
@@ -421,9 +424,7 @@ class OutputTarget:
         try:
             committed = load_commits(self.fs, self.staging.root)
             if committed.rows:
-                marker = json.loads(read_bytes(self.fs, f"{self.staging.root}/{STAGING_MARKER}") or b"{}")
-                return Stopped(self.staging.root, self.owner, "", marker.get("rows_in"), self.lineage,
-                               committed).progress()
+                return Stopped(self.staging.root, self.owner, "", self.rows_in, self.lineage, committed).progress()
             self.staging.remove()
         except OSError as e:
             log.warning("could not look at or remove %s: %s", self.staging.root, e)

@@ -386,7 +386,7 @@ def finish(config: RunConfig, sink: Any, target: OutputTarget, run_id: str, inpu
     if target.resumed is not None:
         committed = target.committed
         resume = {"lineage": [*target.lineage, run_id], "resumed": target.resumed.owner.run_id,
-                  "rows_committed_before": committed.rows, "rows_generated": (sink.generated or {}).get("rows", 0),
+                  "rows_committed_before": committed.rows, "rows_generated": sink.generated_rows,
                   "read_commits_s": round(committed.seconds, 3)}
         wall_start = time.time() - (time.monotonic() - started)
         incidents.insert(0, {"at": round(wall_start, 3), "kind": "resume", "cause": target.resumed.progress(),

@@ -46,7 +46,7 @@ class ParquetPartsSink(Datasink[dict[str, Any]]):
         self.keys = keys  # the columns that name an output row
         self.previous = list(previous or [])
         self.summary: dict[str, Any] | None = None
-        self.generated: dict[str, Any] | None = None  # what this run itself wrote
+        self.generated_rows = 0  # rows this run itself wrote (the rest came in as `previous`)
 
     def get_name(self) -> str:
         return "ParquetParts"
@@ -70,7 +70,7 @@ class ParquetPartsSink(Datasink[dict[str, Any]]):
         return result
 
     def on_write_complete(self, write_result: WriteResult[dict[str, Any]]) -> None:
-        self.generated = merge_stats(write_result.write_returns)
+        self.generated_rows = sum(r.get("rows", 0) for r in write_result.write_returns)
         self.summary = merge_stats(self.previous + list(write_result.write_returns))
 
 

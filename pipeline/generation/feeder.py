@@ -14,7 +14,7 @@ aborts the requests in flight, puts their rows back at the head of the queue,
 halves the budget through the policy, and, if the engine died, rebuilds it
 smaller. An engine core that dies of anything else (a crash, a kill) is not an
 OOM: the feeder raises `EngineCrashed` to every open call, and the actor is
-started afresh with their rows (see `pipeline.stages.generate`).
+started afresh with their rows (see `pipeline.stages.lifeline`).
 Any other failure of a step is blamed on one request: the rows in flight are
 retried in halves (bisection) until the culprit runs alone. A row that fails
 alone gets an error; no row is ever dropped.

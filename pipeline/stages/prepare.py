@@ -380,10 +380,11 @@ class PrepareStage:
             time.sleep(self.settings.delay_s)
         # 1. Bad rows become error rows with a reason; with passages, documents become passages.
         batch, bad_utf8 = repair_utf8(batch)
-        work = [self._check(row, bad_utf8.get(i)) for i, row in enumerate(batch.to_pylist())]
+        rows = batch.to_pylist()
+        work = [self._check(row, bad_utf8.get(i)) for i, row in enumerate(rows)]
         if self.passages is not None:
             batch, work = self._explode(batch, work)
-        rows = batch.to_pylist()
+            rows = batch.to_pylist()
         valid = [i for i, w in enumerate(work) if w.status == Status.OK]
 
         # 2. Render and tokenize the batch in one call (the fast tokenizer parallelises it).

@@ -60,7 +60,7 @@ def test_a_resumed_run_keeps_committed_parts_drops_the_rest_and_states_its_linea
         write_returns = [written]
 
     sink.on_write_complete(WR())
-    assert sink.summary["rows"] == 6 and sink.generated["rows"] == 3
+    assert sink.summary["rows"] == 6 and sink.generated_rows == 3
     assert sink.summary["prompt_tokens_by_bucket"]["le128"] == {10: 2, 11: 1}  # int keys again, merged
     target.close()
 
