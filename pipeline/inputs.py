@@ -4,7 +4,9 @@ Parquet: a path can be one file, a folder (searched recursively for
 `*.parquet`, skipping files and folders with hidden or `_`-prefixed names,
 such as a run's staging) or a glob, on the local
 disk or behind a URI that pyarrow has a filesystem for (s3://, gs://, ...).
-The check reads only Parquet footers: schema and row counts.
+The check reads each file's footer (schema, row counts), then decodes every page
+once, so a file that cannot be read fails the check (or is skipped) before Ray
+starts, instead of failing the run midway.
 
 Anything `datasets` loads: JSON/JSONL and CSV files (its `json` and `csv`
 builders), a folder written by `Dataset.save_to_disk`, or a hub dataset name.
@@ -135,14 +137,69 @@ def _check_columns(f: str, file_schema: pa.Schema, id_column: str, text_column: 
 
 def _check_file(fs: pafs.FileSystem, f: str, id_column: str, text_column: str,
                 template_fields: dict[str, set[str]], job_file: str | None) -> tuple[pa.Schema, int]:
-    """Schema and row count from the footer; InputError naming the file and column."""
+    """Schema and row count from the footer, then every page; InputError naming the file and column."""
     try:
-        meta = pq.ParquetFile(f, filesystem=fs).metadata
+        # Page checksums, where the writer wrote them, catch bytes that still decode.
+        parquet = pq.ParquetFile(f, filesystem=fs, page_checksum_verification=True)
+        meta = parquet.metadata
         file_schema = meta.schema.to_arrow_schema()
     except (OSError, pa.ArrowException) as e:
         raise InputError(f"{f}: not a readable Parquet file: {e}") from None
-    _check_columns(f, file_schema, id_column, text_column, template_fields, job_file)
+    with parquet:
+        _check_columns(f, file_schema, id_column, text_column, template_fields, job_file)
+        _check_pages(parquet, f, id_column)
     return file_schema, meta.num_rows
+
+
+def _check_pages(parquet: pq.ParquetFile, f: str, id_column: str) -> None:
+    """Decode every page, a batch at a time; InputError naming the row group and column.
+
+    A page that cannot be decoded has no rows to flag: read by Ray, it would fail the
+    run midway. This costs one read of the input, beside hours of generation. String
+    ids must be valid UTF-8: they name the output rows, and a repaired id would name a
+    row the input does not have.
+    """
+    id_type = parquet.schema_arrow.field(id_column).type
+    check_ids = pa.types.is_string(id_type) or pa.types.is_large_string(id_type)
+    row = 0
+    for group in range(parquet.num_row_groups):
+        try:
+            for batch in _decode(parquet, group):
+                if check_ids:
+                    _check_ids(batch.column(id_column), f, id_column, row, group)
+                row += batch.num_rows
+        except (OSError, pa.ArrowException) as e:
+            # Which column: decoded one at a time (only a bad file pays for this).
+            for name in parquet.schema_arrow.names:
+                try:
+                    for _ in _decode(parquet, group, [name]):
+                        pass
+                except (OSError, pa.ArrowException) as column_error:
+                    raise InputError(f"{f}: row group {group}, column {name!r} cannot be decoded: "
+                                     f"{column_error}") from None
+            raise InputError(f"{f}: row group {group} cannot be decoded: {e}") from None
+
+
+def _decode(parquet: pq.ParquetFile, group: int, columns: list[str] | None = None) -> Any:
+    # Small batches: a row group of long documents need not be held decoded at once.
+    return parquet.iter_batches(batch_size=4096, row_groups=[group], columns=columns)
+
+
+def _check_ids(ids: pa.Array, f: str, id_column: str, row: int, group: int) -> None:
+    """InputError naming the first id that is not valid UTF-8, by its row in the file."""
+    try:
+        ids.validate(full=True)
+        return
+    except pa.ArrowInvalid:
+        pass
+    raw = ids.view(pa.large_binary() if pa.types.is_large_string(ids.type) else pa.binary()).to_pylist()
+    for k, value in enumerate(raw):
+        try:
+            if value is not None:
+                value.decode("utf-8")
+        except UnicodeDecodeError:
+            raise InputError(f"{f}: id column {id_column!r} is not valid UTF-8 at row {row + k} "
+                             f"(row group {group}): {value!r}; ids name the output rows") from None
 
 
 _BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv"}

@@ -155,3 +155,64 @@ def test_duplicate_ids_across_parquet_files_are_found_on_the_cluster(tmp_path):
         assert duplicate_ids(check_inputs(str(tmp_path / "3.parquet"), "id", "text", set()), "id") == (0, [])
     finally:
         ray.shutdown()
+
+
+def corrupt_page(path, column, fill=b"\xff", at=0.5):
+    """Overwrite bytes in the middle of `column`'s chunk; the footer stays intact."""
+    meta = pq.ParquetFile(path).metadata
+    chunk = meta.row_group(0).column(meta.schema.to_arrow_schema().names.index(column))
+    start = chunk.dictionary_page_offset or chunk.data_page_offset
+    with open(path, "r+b") as f:
+        f.seek(start + int(chunk.total_compressed_size * at))
+        f.write(fill * 64)
+
+
+def long_table(n=500):
+    return pa.table({"id": [f"i{k}" for k in range(n)], "text": [f"document {k} says this. " * 5 for k in range(n)]})
+
+
+@pytest.mark.parametrize("column, compression", [("text", "snappy"), ("id", "none"), ("text", "none")])
+def test_a_page_that_cannot_be_decoded_fails_the_check_naming_file_and_column(tmp_path, column, compression):
+    """Its schema reads, so only decoding the pages finds it: before Ray starts, not midway."""
+    f = tmp_path / "bad.parquet"
+    pq.write_table(long_table(), f, compression=compression)
+    corrupt_page(f, column)
+    with pytest.raises(InputError, match=rf"^{f}: row group 0, column '{column}' cannot be decoded: "):
+        check_inputs(str(f), "id", "text", set())
+
+
+def test_page_checksums_catch_bytes_that_still_decode(tmp_path):
+    f = tmp_path / "crc.parquet"
+    pq.write_table(long_table(), f, compression="none", write_page_checksum=True)
+    data = f.read_bytes()
+    f.write_bytes(data.replace(b"document 499 says", b"document 498 says"))
+    assert pq.read_table(f).column("text")[499].as_py().startswith("document 498")  # decodes, wrongly
+    with pytest.raises(InputError, match=rf"^{f}: row group 0, column 'text' cannot be decoded: .*CRC"):
+        check_inputs(str(f), "id", "text", set())
+
+
+def test_with_skip_an_undecodable_file_is_left_out_and_listed(tmp_path):
+    pq.write_table(long_table(), tmp_path / "bad.parquet")
+    corrupt_page(tmp_path / "bad.parquet", "text")
+    pq.write_table(table(), tmp_path / "good.parquet")
+    inputs = check_inputs(str(tmp_path), "id", "text", set(), on_bad_file="skip")
+    assert inputs.paths == [str(tmp_path / "good.parquet")] and inputs.rows == 3
+    assert [s["file"] for s in inputs.skipped] == [str(tmp_path / "bad.parquet")]
+    assert "column 'text' cannot be decoded" in inputs.skipped[0]["reason"]
+
+
+def test_an_id_that_is_not_valid_utf8_makes_a_bad_file_naming_column_and_row(tmp_path):
+    """Ids name the output rows: a repaired id would name a row the input lacks, so the
+    file is bad (bad text only fails its row, later, in prepare)."""
+    f = tmp_path / "ids.parquet"
+    ids = pa.array([b"a", b"b", None, b"caf\xc3", b"e"], pa.binary()).view(pa.string())
+    pq.write_table(pa.table({"id": ids, "text": ["t"] * 5}), f, row_group_size=2)
+    with pytest.raises(InputError, match=rf"^{f}: id column 'id' is not valid UTF-8 at row 3 \(row group 1\)"):
+        check_inputs(str(f), "id", "text", set())
+    pq.write_table(table(), tmp_path / "good.parquet")
+    inputs = check_inputs(str(tmp_path), "id", "text", set(), on_bad_file="skip")
+    assert inputs.paths == [str(tmp_path / "good.parquet")]
+    assert "at row 3" in inputs.skipped[0]["reason"]
+    text = pa.array([b"ok", b"\xff"], pa.binary()).view(pa.string())
+    pq.write_table(pa.table({"id": ["a", "b"], "text": text}), f)
+    assert check_inputs(str(f), "id", "text", set()).rows == 2
