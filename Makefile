@@ -16,7 +16,7 @@ CORPUS  := data/sample/corpus-$(ROWS).parquet
 JOB     ?= jobs/nightly_summarize.yaml
 PROFILE ?= conf/local.yaml
 
-.PHONY: setup run test bench bench-batching bench-resume clean
+.PHONY: setup run test bench bench-batching bench-resume bench-s3 clean
 
 setup: $(STAMP)
 
@@ -54,6 +54,10 @@ bench-batching: $(STAMP)
 # What a resume costs: skipping 16,000 committed rows (bench/resume_cost.py), about 3 minutes.
 bench-resume: $(STAMP)
 	$(BIN)/python bench/resume_cost.py
+
+# What publishing 1,000 parts to an object store costs (bench/s3_publish.py, moto's S3 server): a minute.
+bench-s3: $(STAMP)
+	$(BIN)/python bench/s3_publish.py --parts 1000
 
 clean:
 	rm -rf out data .cache

@@ -17,10 +17,13 @@ Taking the lease:
   proof the holder died. A pid is no proof across hosts, nor on its own, so
   there only the expiry counts.
 
-Object stores: pyarrow's filesystems have no conditional write, so there the
-lease is check-then-write and read back to confirm. That narrows the race
-between two runs starting in the same second but does not close it; the
-object-store work replaces it with a conditional PUT.
+On S3 (and S3-compatible stores such as MinIO) every change to the lock is a
+conditional write (`pipeline.objectstore`): created with `If-None-Match: *`,
+taken over, renewed and removed with `If-Match` on the ETag this run read, so
+of two racing runs exactly one wins, as with the local hard link. Other object
+stores (pyarrow has no conditional write for them) fall back to check, write
+and read back: that narrows the race between two runs starting in the same
+second but does not close it.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from pipeline.fs import is_local, read_bytes, sibling, split, write_bytes
+from pipeline.objectstore import S3Store, is_s3
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +131,8 @@ class OutputLease:
         self.lost: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._s3 = S3Store(fs) if is_s3(fs) else None  # conditional writes
+        self._etag: str | None = None  # on S3: the ETag of the lock as this run last wrote it
 
     # --- taking it ------------------------------------------------------------
 
@@ -140,12 +146,13 @@ class OutputLease:
             found = self._read()
             if found is None:
                 continue  # it went away between our two looks
-            current, raw = found
+            current, raw, etag = found
             if isinstance(current, str):
                 # Not a lease this pipeline wrote (ours appear whole): not ours to remove.
                 raise OutputBusy(f"{self.output}: the lock {self.path} is not a lease this pipeline can read "
                                  f"({current}); if no run is writing this output, delete it by hand")
             if current.owner.run_id == self.owner.run_id:
+                self._etag = etag
                 break  # already ours
             if current.owner.gone():
                 stale_why = f"{current.owner.describe()} is no longer running"
@@ -157,7 +164,7 @@ class OutputLease:
                     f"(its lease {self.path} runs to {_iso(current.expires_at)}, renewed while it runs); "
                     "wait for it to finish, or choose another --output"
                 )
-            if self._take_over(raw):
+            if self._take_over(raw, etag):
                 warning = f"{self.output}: took over the lock {self.path}: {stale_why}"
                 log.warning(warning)
                 break
@@ -170,19 +177,28 @@ class OutputLease:
     def _lease(self) -> Lease:
         return Lease(self.owner, time.time() + self.lease_s)
 
-    def _read(self) -> tuple[Lease | str, bytes] | None:
-        """The lease there (or why it can't be read) and its bytes; None if there is none."""
-        data = read_bytes(self.fs, self.path)
+    def _read(self) -> tuple[Lease | str, bytes, str | None] | None:
+        """The lease there (or why it can't be read), its bytes and (on S3) its ETag;
+        None if there is none."""
+        etag = None
+        if self._s3 is not None:
+            found = self._s3.read(self.path)
+            data, etag = found if found else (None, None)
+        else:
+            data = read_bytes(self.fs, self.path)
         if data is None:
             return None
         try:
-            return Lease.parse(data), data
+            return Lease.parse(data), data, etag
         except (ValueError, KeyError, TypeError) as e:
-            return f"{type(e).__name__}: {e}", data
+            return f"{type(e).__name__}: {e}", data, etag
 
     def _create(self) -> bool:
         """Create the lock if there is none; True if this run now holds it."""
         data = self._lease().to_bytes()
+        if self._s3 is not None:
+            self._etag = self._s3.create(self.path, data)
+            return self._etag is not None
         if not is_local(self.fs):
             if read_bytes(self.fs, self.path) is not None:
                 return False
@@ -203,8 +219,11 @@ class OutputLease:
         finally:
             os.unlink(tmp)
 
-    def _take_over(self, stale: bytes) -> bool:
+    def _take_over(self, stale: bytes, etag: str | None) -> bool:
         """Replace a stale lock with ours; False if another run got there first."""
+        if self._s3 is not None and etag is not None:
+            self._etag = self._s3.replace(self.path, self._lease().to_bytes(), etag)
+            return self._etag is not None
         if not is_local(self.fs):
             write_bytes(self.fs, self.path, self._lease().to_bytes())
             return self._holds()
@@ -238,6 +257,14 @@ class OutputLease:
     # --- keeping it -------------------------------------------------------------
 
     def renew(self) -> None:
+        if self._s3 is not None and self._etag is not None:
+            etag = self._s3.replace(self.path, self._lease().to_bytes(), self._etag)
+            if etag is None:  # someone else wrote the lock since we did
+                current = self.holder()
+                raise LeaseLost(f"{self.output}: this run's lock {self.path} is now held by "
+                                f"{current.owner.describe() if current else 'nobody'}")
+            self._etag = etag
+            return
         if not self._holds():
             current = self.holder()
             who = current.owner.describe() if current else "nobody"
@@ -270,7 +297,9 @@ class OutputLease:
             self._thread.join(timeout=10)
             self._thread = None
         try:
-            if self._holds():
+            if self._s3 is not None and self._etag is not None:
+                self._s3.delete(self.path, self._etag)  # only the lock as we last wrote it
+            elif self._holds():
                 self.fs.delete_file(self.path)
         except OSError as e:
             log.warning("could not remove the lock %s: %s (it expires by itself)", self.path, e)

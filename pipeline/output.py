@@ -23,8 +23,10 @@ The staging life cycle (README, "What the pipeline may delete"):
 3. `publish`: check again; then, locally, swap `<staging>/output` into place in
    one step (Linux `renameat2(RENAME_EXCHANGE)`, else two renames), delete the
    earlier run's listed files from what was swapped out, and remove the staging.
-   On object stores (no folder rename), copy the parts in, the report last,
-   then delete the earlier run's listed files that this run did not replace.
+   On object stores (no folder rename): delete the earlier report, copy the
+   parts in, delete the earlier run's listed parts, write the report last, with
+   a journal in the staging so that a publish cut short is finished by the next
+   run (`Publishing`).
 4. `stop` (a failed run): its staging stays if any part is committed
    (`pipeline.commits`), for `--resume`; a run that committed nothing removes
    it. A run killed outright leaves it too.
@@ -43,6 +45,7 @@ import json
 import logging
 import os
 import sys
+import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Literal
@@ -52,11 +55,13 @@ import pyarrow.fs as pafs
 from pipeline.commits import Committed, drop_uncommitted, load_commits
 from pipeline.fs import is_local, read_bytes, resolve, sibling, split, write_bytes
 from pipeline.lease import Owner, OutputLease
+from pipeline.objectstore import S3Store, is_s3
 from pipeline.report import REPORT_NAME
 
 log = logging.getLogger(__name__)
 
 STAGING_MARKER = "_staging.json"
+PUBLISHING_MARKER = "_publishing.json"
 STAGING_SUFFIX = ".staging"
 SHOWN_ENTRIES = 5
 
@@ -262,6 +267,75 @@ def backup_path(fs: pafs.FileSystem, path: str) -> str:
     return candidate
 
 
+# --- publishing on object stores ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Publishing:
+    """An object store has no folder rename, so a run's output goes live by copies:
+    1. the earlier run's `_report.json` is deleted: from here until step 4 the output
+       has no report, which tells readers a publish is under way;
+    2. this run's parts (and plot) are copied in, server-side, many at a time;
+    3. the earlier run's parts that this run did not replace are deleted;
+    4. this run's `_report.json` is written, with what publishing took (`publish`).
+    A reader that lists the output while a report is there sees one run's complete
+    set of parts; the window (steps 1 to 4) is measured in the report.
+
+    This journal is written into the staging before step 1. If the run dies during
+    the window, the next run of the output finishes the publish before anything else
+    (`finish_interrupted`): every step can be done again."""
+
+    run_id: str
+    files: tuple[str, ...]  # this run's, in the staging
+    replaces: tuple[str, ...]  # the earlier run's, to delete
+
+    def to_bytes(self) -> bytes:
+        return json.dumps({"run_id": self.run_id, "files": list(self.files), "replaces": list(self.replaces)},
+                          indent=2).encode()
+
+    @classmethod
+    def read(cls, fs: pafs.FileSystem, staging_root: str) -> Publishing | None:
+        data = read_bytes(fs, f"{staging_root}/{PUBLISHING_MARKER}")
+        if data is None:
+            return None
+        raw = json.loads(data)
+        return cls(str(raw["run_id"]), tuple(raw["files"]), tuple(raw["replaces"]))
+
+    def carry_out(self, fs: pafs.FileSystem, data: str, final: str, report: dict[str, Any],
+                  had_report: bool = True) -> dict[str, Any]:
+        started = time.monotonic()
+        s3 = S3Store(fs) if is_s3(fs) else None
+        requests = 0
+        if had_report:
+            if s3 is not None:  # (pyarrow's delete_file would leave a folder marker object behind)
+                s3.delete_many([f"{final}/{REPORT_NAME}"])
+            else:
+                try:
+                    fs.delete_file(f"{final}/{REPORT_NAME}")
+                except FileNotFoundError:
+                    pass
+            requests += 1
+        pairs = [(f"{data}/{n}", f"{final}/{n}") for n in self.files]
+        if s3 is not None:
+            requests += s3.copy_many(pairs)
+            requests += s3.delete_many(f"{final}/{n}" for n in self.replaces) if self.replaces else 0
+        else:
+            fs.create_dir(final, recursive=True)
+            for src, dst in pairs:
+                fs.copy_file(src, dst)
+            for n in self.replaces:
+                try:
+                    fs.delete_file(f"{final}/{n}")
+                except FileNotFoundError:
+                    pass
+            requests += len(pairs) + len(self.replaces)
+        measured = {"window_s": round(time.monotonic() - started, 3), "copied": len(pairs),
+                    "deleted": len(self.replaces), "requests": requests + 1}  # + the report's PUT
+        report["publish"] = {**report.get("publish", {}), **measured}
+        write_bytes(fs, f"{final}/{REPORT_NAME}", json.dumps(report, indent=2).encode())
+        return measured
+
+
 # --- one run's output ------------------------------------------------------------------
 
 
@@ -293,6 +367,7 @@ class OutputTarget:
         self.committed = Committed()  # what this run's staging already holds for good
         self.lineage: tuple[str, ...] = ()  # the runs whose rows this output holds, before this one
         self.rows_in: int | None = None  # the input's rows, as `open` was told
+        self.published: dict[str, Any] = {}  # what publishing took, on object stores (`Publishing`)
 
     def survey(self) -> Survey:
         return survey(self.fs, self.path, self.job)
@@ -306,6 +381,7 @@ class OutputTarget:
         try:
             if taken:
                 self.warnings.append(taken)
+            self._finish_interrupted()
             found = self.survey()
             if found.state == "foreign" and not self.backup_existing:
                 raise OutputError(found.refusal())
@@ -314,6 +390,20 @@ class OutputTarget:
             self.lease.release()
             raise
         return found
+
+    def _finish_interrupted(self) -> None:
+        """A run of this job that died while publishing to an object store: finish its
+        publish (`Publishing`), so the output is one run's whole output again."""
+        if self.local:
+            return
+        for s in stopped_runs(self.fs, self.path, exclude=self.staging.root):
+            journal = Publishing.read(self.fs, s.root) if s.owner.job == self.job else None
+            if journal is None:
+                continue
+            report = json.loads(read_bytes(self.fs, f"{s.root}/output/{REPORT_NAME}") or b"{}")
+            journal.carry_out(self.fs, f"{s.root}/output", self.path, report)  # each step again: harmless
+            self.fs.delete_dir(s.root)
+            self._warn(f"{self.path}: run {journal.run_id} died while publishing; its publish was finished now")
 
     def _handle_stopped(self, rows_in: int | None) -> None:
         stopped = stopped_runs(self.fs, self.path, exclude=self.staging.root)
@@ -355,7 +445,8 @@ class OutputTarget:
             raise PublishError(f"{found.refusal()} It changed during the run. {self._kept()}")
         backup = backup_path(self.fs, self.path) if found.state == "foreign" else None
         self._planned = (found, backup)
-        return {"replaces_run": found.previous_run, "replaces_files": len(found.owned), "backup": backup}
+        return {"replaces_run": found.previous_run, "replaces_files": len(found.owned), "backup": backup,
+                "mode": "swap" if self.local else "copy"}
 
     def _kept(self) -> str:
         return f"This run's complete output is kept in {self.staging.data}."
@@ -378,7 +469,7 @@ class OutputTarget:
             if self.local:
                 self._publish_local(found)
             else:
-                self._publish_object_store(found)
+                self.published = self._publish_object_store(Survey(self.path, "absent") if backup else found)
         except OSError as e:
             raise PublishError(f"{self.path}: publishing failed ({e}). {self._kept()}") from e
         self.staging.remove()
@@ -406,17 +497,16 @@ class OutputTarget:
             os.rename(old, keep)
             self.warnings.append(f"{final}: entries that appeared while publishing were moved aside to {keep}")
 
-    def _publish_object_store(self, found: Survey) -> None:
+    def _publish_object_store(self, found: Survey) -> dict[str, Any]:
+        """Copy the parts in, delete the earlier run's, the report last (see `Publishing`)."""
         fs, data, final = self.fs, self.staging.data, self.path
-        mine = sorted((e.base_name for e in fs.get_file_info(pafs.FileSelector(data)) if e.type == pafs.FileType.File),
-                      key=lambda n: (n == REPORT_NAME, n))  # the report last: its presence means complete
-        fs.create_dir(final, recursive=True)
-        for name in mine:
-            fs.copy_file(f"{data}/{name}", f"{final}/{name}")
-        if found.state == "ours":
-            for name in found.owned:
-                if name not in mine:
-                    fs.delete_file(f"{final}/{name}")
+        files = sorted(e.base_name for e in fs.get_file_info(pafs.FileSelector(data))
+                       if e.type == pafs.FileType.File and e.base_name != REPORT_NAME)
+        report = json.loads(read_bytes(fs, f"{data}/{REPORT_NAME}") or b"{}")
+        journal = Publishing(self.owner.run_id, tuple(files),
+                             tuple(n for n in found.owned if n not in files and n != REPORT_NAME))
+        write_bytes(fs, f"{self.staging.root}/{PUBLISHING_MARKER}", journal.to_bytes())
+        return journal.carry_out(fs, data, final, report, had_report=REPORT_NAME in found.owned)
 
     def stop(self) -> str | None:
         """A failed run: the output stays as it was. Its staging stays if it holds

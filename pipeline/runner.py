@@ -202,6 +202,7 @@ def run_job(config: RunConfig, run_id: str | None = None,
                              "run again with --resume to continue it") from e
         # 5. Publish; a failure here keeps the staging, which holds the complete output.
         report.warnings += target.publish()
+        report.publish.update(target.published)
     finally:
         target.close()
     return report

@@ -8,8 +8,11 @@ Building the engine is the slow part (about 20 s), so it happens once per sessio
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,3 +94,12 @@ def job_run(tmp_path_factory, tiny_model) -> JobRun:
     run = read_run(output, corpus_path, result)
     run.sets = sets
     return run
+
+
+@pytest.fixture(scope="module")
+def ray_tmp() -> Iterator[str]:
+    """Each run's Ray instance under a temp dir of the test module's own (short: Ray's
+    sockets live there), so a test can tell its processes from any other Ray on this machine."""
+    path = tempfile.mkdtemp(prefix="rr-", dir="/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -127,19 +125,11 @@ def end_all(processes: list[psutil.Process]) -> None:
     psutil.wait_procs(processes, timeout=10)
 
 
-@pytest.fixture(scope="module")
-def ray_tmp() -> Iterator[str]:
-    """Each run's Ray instance under a temp dir of this test's own (short: Ray's sockets
-    live there), so the test can tell its processes from any other Ray on this machine."""
-    path = tempfile.mkdtemp(prefix="rr-", dir="/tmp")
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-def start(cmd: list[str], ray_tmp: str, log: Path) -> tuple[subprocess.Popen, psutil.Process]:
+def start(cmd: list[str], ray_tmp: str, log: Path, env: dict[str, str] | None = None,
+          ) -> tuple[subprocess.Popen, psutil.Process]:
     """The run in the background, its output to `log` (a pipe nobody reads would fill up
     and stop it)."""
-    env = {**os.environ, "RAY_TMPDIR": ray_tmp}
+    env = {**os.environ, **(env or {}), "RAY_TMPDIR": ray_tmp}
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
     proc.log = log  # type: ignore[attr-defined]
