@@ -16,7 +16,7 @@ CORPUS  := data/sample/corpus-$(ROWS).parquet
 JOB     ?= jobs/nightly_summarize.yaml
 PROFILE ?= conf/local.yaml
 
-.PHONY: setup run test bench bench-batching bench-resume bench-s3 clean
+.PHONY: setup run test test-tools bench bench-batching bench-resume bench-s3 bench-metrics clean
 
 setup: $(STAMP)
 
@@ -37,8 +37,19 @@ $(CORPUS): | $(STAMP)
 run: $(STAMP) $(CORPUS)
 	$(BIN)/pipeline run $(JOB) --profile $(PROFILE) --input $(CORPUS)
 
-test: $(STAMP)
+test: $(STAMP) test-tools
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The metrics tests run Debian's Prometheus server and Pushgateway on loopback
+# (README, "Watching a run"). Installed here where apt-get can (root, or sudo).
+PROM_PKGS := prometheus prometheus-pushgateway
+test-tools:
+	@command -v prometheus >/dev/null && command -v prometheus-pushgateway >/dev/null || { \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  echo "installing $(PROM_PKGS) for the metrics tests"; \
+	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $(PROM_PKGS) >/dev/null 2>&1 || \
+	  { $$SUDO apt-get update >/dev/null && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $(PROM_PKGS); } || \
+	  echo "could not install $(PROM_PKGS): the metrics tests will say so in their skip reasons"; }
 
 # The pipeline against raw vLLM, Ray Data LLM, a pool of 2 engines and its own ablations,
 # interleaved, 3 runs each (pipeline/bench.py). Measured on 2 cores (AVX-512): about 15 minutes with
@@ -58,6 +69,11 @@ bench-resume: $(STAMP)
 # What publishing 1,000 parts to an object store costs (bench/s3_publish.py, moto's S3 server): a minute.
 bench-s3: $(STAMP)
 	$(BIN)/python bench/s3_publish.py --parts 1000
+
+# What the live metrics cost an engine per step, and the scrape size per engine
+# (bench/metrics_cost.py, one real engine on the tiny model): a minute.
+bench-metrics: $(STAMP)
+	$(BIN)/python bench/metrics_cost.py
 
 clean:
 	rm -rf out data .cache

@@ -408,7 +408,7 @@ def ray_data_llm(corpus: str, output: str, sets: list[str], result: str) -> None
     ds = ray.data.read_parquet(corpus).map_batches(
         PrepareForProcessor, fn_constructor_kwargs={"settings": settings, "keep": keep},
         batch_size=profile.batching.prepare_batch_rows, batch_format="pyarrow",
-        concurrency=hw.prepare_actors, num_cpus=1,
+        compute=ray.data.ActorPoolStrategy(size=hw.prepare_actors), num_cpus=1,
     )
     ds = processor(ds).map_batches(partial(output_table, out_schema), batch_format="pyarrow")
 

@@ -135,9 +135,27 @@ def main() -> None:
                    "its committed rows are kept, not generated again. With none stopped, a fresh run.")
 @click.option("--restart", is_flag=True, default=False,
               help="Discard the stopped run of this job and output (its staging), and start afresh.")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, metavar="PORT",
+              help="Serve the run's live Prometheus metrics, and every engine's, on this port (0: any free "
+                   "one, logged). Off by default.")
+@click.option("--metrics-host", default="0.0.0.0", show_default=True,
+              help="The address the metrics endpoint listens on (127.0.0.1: this machine only).")
+@click.option("--metrics-linger-s", type=click.FloatRange(0), default=15.0, show_default=True,
+              help="Keep the metrics endpoint up this long after the run ends, so a scrape sees the final values.")
+@click.option("--pushgateway", metavar="URL",
+              help="Push the metrics to this Prometheus Pushgateway during the run and at its end; "
+                   "pipeline_last_success_timestamp_seconds only on success.")
+@click.option("--progress", "progress_mode", type=click.Choice(["auto", "live", "lines", "off"]), default="auto",
+              show_default=True, help="Progress: a live display on a terminal, plain lines elsewhere (auto).")
+@click.option("--progress-interval-s", type=click.FloatRange(0.1), default=30.0, show_default=True,
+              help="Off a terminal: one progress line this often.")
+@click.option("--verbose", "-v", is_flag=True, default=False,
+              help="Also Ray's own progress output, and every engine's warnings (not just the first of each).")
 def run(job: Path, profile: Path, input_path: str | None, output_path: str | None,
         overrides: tuple[str, ...], on_bad_file: str | None, backup_existing: bool,
-        fail_on_error_rate: float | None, date: str | None, resume: bool, restart: bool) -> None:
+        fail_on_error_rate: float | None, date: str | None, resume: bool, restart: bool,
+        metrics_port: int | None, metrics_host: str, metrics_linger_s: float, pushgateway: str | None,
+        progress_mode: str, progress_interval_s: float, verbose: bool) -> None:
     """Run JOB over its input and write summaries to its output folder.
 
     Output: Parquet parts (the input columns, then summary, [the annotation
@@ -164,6 +182,7 @@ def run(job: Path, profile: Path, input_path: str | None, output_path: str | Non
     --fail-on-error-rate; 1 on any other failure. The last line says why.
     """
     from pipeline.lease import OutputBusy
+    from pipeline.metrics import Watch
     from pipeline.output import OutputError, PublishError
     from pipeline.runner import RunStopped, run_job
 
@@ -176,7 +195,11 @@ def run(job: Path, profile: Path, input_path: str | None, output_path: str | Non
         overrides = (*overrides, "output.backup_existing=true")
     try:
         config = load_config(job, profile, overrides, input_path, output_path, date=date)
-        report = run_job(config, stopped="resume" if resume else "restart" if restart else "refuse").to_json()
+        watch = Watch(metrics_port=metrics_port, metrics_host=metrics_host, metrics_linger_s=metrics_linger_s,
+                      pushgateway=pushgateway, progress=progress_mode, progress_interval_s=progress_interval_s,
+                      verbose=verbose)
+        report = run_job(config, stopped="resume" if resume else "restart" if restart else "refuse",
+                         watch=watch).to_json()
     except (ConfigError, InputError, OutputError, OutputBusy) as e:
         _fail(EXIT_BAD_CONFIG, str(e))
     except (PublishError, RunStopped) as e:  # its rows wait in its staging

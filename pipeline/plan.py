@@ -85,9 +85,11 @@ def prepare_settings(config: RunConfig, model_path: str, max_model_len: int,
     )
 
 
-def generate_settings(config: RunConfig, prepare: PrepareSettings, run_id: str) -> GenerateSettings:
+def generate_settings(config: RunConfig, prepare: PrepareSettings, run_id: str,
+                      quiet_warnings: bool = True) -> GenerateSettings:
     """The generate stage's settings; `prepare` is what the prepare stage ran with (map-reduce
-    renders its prompts the same way), and names the model."""
+    renders its prompts the same way), and names the model. `quiet_warnings`: each vLLM
+    warning once per run (off with --verbose, to see every engine's)."""
     job, profile = config.job, config.profile
     batching, annotations = profile.batching, job.annotations
     return GenerateSettings(
@@ -108,4 +110,5 @@ def generate_settings(config: RunConfig, prepare: PrepareSettings, run_id: str) 
         inject_oom_kind=profile.debug.inject_oom_kind,
         stall_timeout_s=profile.engine.stall_timeout_s,
         fail_on_start=profile.debug.engine_fails_on_start,
+        quiet_warnings=quiet_warnings,
     )

@@ -21,6 +21,11 @@ engines start together, and what every node needs to run them.
   engine actor holds (blocks and their rows), and every restart, stall, engine death
   and failed start, with its time and the rows it affected. An actor killed outright
   says nothing; its next incarnation reports the restart, and what the dead one held.
+- Metrics: every engine actor sends it a snapshot of its state every 2 s and after each
+  block (`pipeline.metrics`); the driver reads them all from here, whichever node each
+  engine is on, with the restarts and stalls per engine from the log above.
+- Warnings: it also remembers which vLLM warnings the run has shown (`first_time`),
+  so that each shows once per run rather than once per engine.
 
 The placement group and the gate are this run's: `EnginePool.close` removes exactly
 them, by handle.
@@ -74,6 +79,11 @@ def runtime_env(hw: HardwareConfig, env_vars: dict[str, str], empty_dir: str | N
     return env
 
 
+def engine_name(actor_key: str) -> str:
+    """An engine's name in metrics: short, and the same across its actor's restarts."""
+    return actor_key[:8]
+
+
 class _Arrivals:
     """What the engine actors report to once their engine is up, and the driver's word on
     whether they may start work (the checks that run beside engine start-up). An async
@@ -86,6 +96,8 @@ class _Arrivals:
         self.verdict: tuple[bool, str] | None = None
         self.held: dict[str, dict[str, int]] = {}  # actor -> block -> rows, while it serves them
         self.log: list[dict[str, Any]] = []
+        self.meters: dict[str, dict[str, Any]] = {}  # engine incarnation -> its latest metrics snapshot
+        self.warnings: set[str] = set()  # the vLLM warnings the run has shown, by `warning_key`
 
     async def arrive(self, who: str, timeout_s: float) -> tuple[bool, str]:
         import asyncio
@@ -117,6 +129,34 @@ class _Arrivals:
 
     def events(self) -> list[dict[str, Any]]:
         return sorted(self.log, key=lambda e: e["at"])
+
+    MAX_WARNINGS = 10_000
+
+    def first_time(self, key: str) -> bool:
+        """Whether this warning is new to the run. Past `MAX_WARNINGS` keys a new one is
+        no longer remembered, so it shows every time: the set stays bounded, and what
+        goes unremembered is shown too often rather than never."""
+        if key in self.warnings:
+            return False
+        if len(self.warnings) < self.MAX_WARNINGS:
+            self.warnings.add(key)
+        return True
+
+    def meter(self, incarnation: str, snapshot: dict[str, Any]) -> None:
+        self.meters[incarnation] = snapshot
+
+    def metrics(self) -> dict[str, Any]:
+        """Every engine incarnation's latest snapshot (`pipeline.metrics`), and the restarts
+        and stalls per engine (by the short engine name the snapshots use)."""
+        restarts: dict[str, int] = {}
+        stalls: dict[str, int] = {}
+        for e in self.log:
+            short = engine_name(e["actor"])
+            if e["kind"] == "restart":
+                restarts[short] = restarts.get(short, 0) + 1
+            elif e["kind"] == "stall":
+                stalls[short] = stalls.get(short, 0) + 1
+        return {"snapshots": list(self.meters.values()), "restarts": restarts, "stalls": stalls}
 
 
 class PoolGate:
@@ -161,6 +201,24 @@ class PoolGate:
         import ray
 
         return ray.get(self.counter.events.remote())
+
+    def first_time(self, key: str) -> bool:
+        """Whether a warning is new to the run; True when the pool cannot say (a warning is
+        never hidden because the pool's actor is busy or gone)."""
+        import ray
+
+        try:
+            return bool(ray.get(self.counter.first_time.remote(key), timeout=5))
+        except Exception:
+            return True
+
+    def meter(self, incarnation: str, snapshot: dict[str, Any]) -> None:
+        self.counter.meter.remote(incarnation, snapshot)  # fire and forget
+
+    def metrics(self) -> dict[str, Any]:
+        import ray
+
+        return ray.get(self.counter.metrics.remote(), timeout=10)
 
     def close(self) -> None:
         import ray

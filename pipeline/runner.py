@@ -24,6 +24,7 @@ import tempfile
 import threading
 import time
 import uuid
+import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
@@ -39,9 +40,11 @@ from pipeline.bucketing import LengthBucketer, window_order
 from pipeline.commits import key_columns, row_keys, without
 from pipeline.config import AdaptivePolicy, RunConfig
 from pipeline.inputs import InputError, check_inputs, duplicate_ids
+from pipeline.metrics import RunMetrics, Watch
 from pipeline.output import OutputTarget, PublishError
 from pipeline.plan import engine_kwargs, generate_settings, prepare_settings
 from pipeline.pool import EnginePool, runtime_env
+from pipeline.progress import progress_for
 from pipeline.report import REPORT_NAME, RunReport, build_report, write_beside, write_report
 from pipeline.report_plot import plot_trajectories
 from pipeline.stages.prepare import PrepareSettings, context_limit
@@ -119,6 +122,8 @@ def read_and_prepare(config: RunConfig, inputs: Any, settings: PrepareSettings,
                      skip: tuple[Any, list[str]] | None = None) -> Any:
     """The input read and run through the prepare stage (lazy: nothing runs yet). `skip`:
     (ObjectRef of committed keys, key columns) of a resumed run."""
+    from ray.data import ActorPoolStrategy
+
     from pipeline.stages.prepare import PrepareStage
 
     def skipping(ds: Any, **options: Any) -> Any:
@@ -139,7 +144,7 @@ def read_and_prepare(config: RunConfig, inputs: Any, settings: PrepareSettings,
         fn_constructor_kwargs={"settings": settings},
         batch_size=rows,
         batch_format="pyarrow",
-        concurrency=config.profile.hardware.prepare_actors,
+        compute=ActorPoolStrategy(size=config.profile.hardware.prepare_actors),
         num_cpus=1,
     )
     if skip and passages:  # a document's passages exist once it is cut: skipped by id and passage
@@ -168,10 +173,42 @@ class RunStopped(RuntimeError):
 
 
 def run_job(config: RunConfig, run_id: str | None = None,
-            stopped: Literal["refuse", "resume", "restart"] = "refuse") -> RunReport:
+            stopped: Literal["refuse", "resume", "restart"] = "refuse", watch: Watch | None = None) -> RunReport:
     """Run the job end to end and return its report (also written as `_report.json`).
-    `stopped`: what to do with a stopped run of this output: refuse, resume or restart."""
+    `stopped`: what to do with a stopped run of this output: refuse, resume or restart.
+    `watch`: live metrics and progress (`pipeline.metrics`, `pipeline.progress`)."""
     run_id = run_id or new_run_id()
+    watch = watch or Watch()
+    metrics = RunMetrics(config.job.name, run_id, config.job.output.path, config.profile.model.name,
+                         port=watch.metrics_port, host=watch.metrics_host, pushgateway=watch.pushgateway,
+                         linger_s=watch.metrics_linger_s)
+    progress = progress_for(config.job.name, watch.progress, watch.progress_interval_s)
+    if progress is not None:
+        metrics.watchers.append(progress)
+    try:
+        metrics.start()
+    except OSError as e:  # the port is taken: the run goes on, and says so
+        log.warning("no metrics endpoint on port %s: %s", watch.metrics_port, e)
+        metrics.port = None
+        metrics.start()
+    from ray.data import DataContext
+
+    # Ray's own progress bars (or, off a terminal, a block of lines every few seconds): only
+    # with --verbose; the run's progress (`pipeline.progress`) says what matters.
+    DataContext.get_current().enable_progress_bars = watch.verbose
+    success = False
+    try:
+        report = _run(config, run_id, stopped, metrics, watch.verbose)
+        success = True
+        return report
+    finally:
+        metrics.finish(success)
+        if progress is not None:
+            progress.close()
+
+
+def _run(config: RunConfig, run_id: str, stopped: Literal["refuse", "resume", "restart"],
+         metrics: RunMetrics, verbose: bool = False) -> RunReport:
     started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
     started = time.monotonic()
     job = config.job
@@ -191,7 +228,7 @@ def run_job(config: RunConfig, run_id: str | None = None,
     target.open(rows_in=inputs.rows)
     try:
         try:
-            report = _generate(config, run_id, inputs, out_schema, target, started, started_at)
+            report = _generate(config, run_id, inputs, out_schema, target, started, started_at, metrics, verbose)
         except PublishError:
             raise  # every row is written: the staging holds the complete output, and stays
         except BaseException as e:
@@ -209,7 +246,7 @@ def run_job(config: RunConfig, run_id: str | None = None,
 
 
 def _generate(config: RunConfig, run_id: str, inputs: Any, out_schema: pa.Schema, target: OutputTarget,
-              started: float, started_at: str) -> RunReport:
+              started: float, started_at: str, metrics: RunMetrics, verbose: bool = False) -> RunReport:
     """Steps 3 and 4: generate every row into the staging, then the report beside them."""
     from ray.data import ActorPoolStrategy
 
@@ -258,28 +295,35 @@ def _generate(config: RunConfig, run_id: str, inputs: Any, out_schema: pa.Schema
         ds = ds.sort(schema.BUCKET_INDEX, boundaries=list(range(1, len(bucketer.names))))
     pool = EnginePool(hw, profile.engine.tensor_parallel_size)
     pool.open()
+    metrics.attach(pool.gate.metrics, inputs.rows,
+                   committed.documents() if job.passages is not None else committed.rows)
     incidents: list[dict[str, Any]] = []
     try:
-        settings = replace(generate_settings(config, prepare, run_id), pool_gate=pool.gate)
+        # Each engine warning once per run, unless --verbose.
+        settings = replace(generate_settings(config, prepare, run_id, quiet_warnings=not verbose), pool_gate=pool.gate)
         # Engines that fail to start: the same bound, counted in a row (Ray Data's default: none).
         ds.context.max_consecutive_actor_init_deaths = profile.engine.max_restarts
-        ds = ds.map_batches(
-            GenerateStage,
-            fn_constructor_kwargs={"settings": settings, "learned": start_limits},
-            batch_size=batching.generate_batch_rows,
-            batch_format="pyarrow",
-            # A few blocks per engine at once, served by one feeder: the next block's
-            # rows fill the engine while the last one's finish.
-            compute=ActorPoolStrategy(size=hw.num_engines,
-                                      max_concurrent_calls_per_actor=batching.concurrent_batches,
-                                      max_tasks_in_flight_per_actor=batching.concurrent_batches,
-                                      enable_true_multi_threading=True),
-            # An actor whose process or engine core dies, or hangs, is started afresh
-            # and its blocks retried, a bounded number of times (Ray Data's default: forever).
-            max_restarts=profile.engine.max_restarts,
-            max_task_retries=profile.engine.max_restarts,
-            **pool.actor_options(),
-        )
+        with warnings.catch_warnings():
+            # Ray 2.60 deprecates passing remote options through **kwargs in favour of named
+            # ones, and names none for max_restarts, max_task_retries or a placement group.
+            warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
+            ds = ds.map_batches(
+                GenerateStage,
+                fn_constructor_kwargs={"settings": settings, "learned": start_limits},
+                batch_size=batching.generate_batch_rows,
+                batch_format="pyarrow",
+                # A few blocks per engine at once, served by one feeder: the next block's
+                # rows fill the engine while the last one's finish.
+                compute=ActorPoolStrategy(size=hw.num_engines,
+                                          max_concurrent_calls_per_actor=batching.concurrent_batches,
+                                          max_tasks_in_flight_per_actor=batching.concurrent_batches,
+                                          enable_true_multi_threading=True),
+                # An actor whose process or engine core dies, or hangs, is started afresh
+                # and its blocks retried, a bounded number of times (Ray Data's default: forever).
+                max_restarts=profile.engine.max_restarts,
+                max_task_retries=profile.engine.max_restarts,
+                **pool.actor_options(),
+            )
         sink = ParquetPartsSink(target.staging, run_id, out_schema, keys, previous=committed.parts)
         # Unique ids are checked on the cluster while the engines start; they take no
         # block until it has passed.
@@ -294,6 +338,7 @@ def _generate(config: RunConfig, run_id: str, inputs: Any, out_schema: pa.Schema
         checks["duplicate_ids"] = check.result()
         incidents = pool.incidents()
     finally:
+        metrics.detach()
         pool.close()
     return finish(config, sink, target, run_id, inputs, started, started_at, model_path, max_model_len,
                   bucketer, limits_key, start_limits, percentile_cap, checks, incidents)

@@ -80,3 +80,105 @@ def s3(s3_server, monkeypatch):
     for k, v in store.env.items():
         monkeypatch.setenv(k, v)
     return store
+
+
+# --- Prometheus and its Pushgateway: Debian's packages, run on loopback ---------------
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _needs(binary: str, package: str) -> str:
+    import shutil
+
+    found = shutil.which(binary)
+    if found is None:
+        pytest.skip(f"{binary} is not installed: `apt-get install {package}` (make test installs it where it "
+                    "can; README, 'Watching a run')")
+    return found
+
+
+def _serve(cmd: list[str], ready_url: str, log: Path):
+    """Start a server, and wait until it answers on `ready_url`; stopped by its handle."""
+    import subprocess
+    import time
+    import urllib.request
+
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(ready_url, timeout=1):
+                return proc
+        except OSError:
+            if proc.poll() is not None:
+                break
+            time.sleep(0.2)
+    proc.kill()
+    proc.wait()
+    raise RuntimeError(f"{cmd[0]} did not start: {log.read_text()[-2000:]}")
+
+
+def start_pushgateway(folder: Path):
+    """(base URL, process) of a Prometheus Pushgateway on loopback."""
+    exe = _needs("prometheus-pushgateway", "prometheus-pushgateway")
+    port = free_port()
+    # Debian's build persists to /var/lib/prometheus by default: this one keeps its own file.
+    proc = _serve([exe, f"--web.listen-address=127.0.0.1:{port}", f"--persistence.file={folder / 'pushgateway.data'}"],
+                  f"http://127.0.0.1:{port}/-/ready", folder / "pushgateway.log")
+    return f"http://127.0.0.1:{port}", proc
+
+
+def servers_installed() -> bool:
+    import shutil
+
+    return bool(shutil.which("prometheus") and shutil.which("prometheus-pushgateway"))
+
+
+@pytest.fixture(scope="session")
+def pushgateway(tmp_path_factory):
+    """A Prometheus Pushgateway on loopback for the session: its base URL."""
+    url, proc = start_pushgateway(tmp_path_factory.mktemp("pushgateway"))
+    yield url
+    proc.terminate()
+    proc.wait(10)
+
+
+class Prometheus:
+    """A Prometheus server on loopback scraping `targets` every second."""
+
+    def __init__(self, url: str):
+        self.url = url
+
+    def query(self, promql: str) -> list[dict]:
+        import json
+        import urllib.parse
+        import urllib.request
+
+        with urllib.request.urlopen(f"{self.url}/api/v1/query?" + urllib.parse.urlencode({"query": promql}),
+                                    timeout=10) as r:
+            body = json.loads(r.read())
+        assert body["status"] == "success", body
+        return body["data"]["result"]
+
+
+def start_prometheus(folder: Path, targets: list[str]):
+    """(Prometheus, its process) scraping `targets` (host:port) every second."""
+    exe = _needs("prometheus", "prometheus")
+    port = free_port()
+    config = folder / "prometheus.yml"
+    config.write_text(
+        "global: {scrape_interval: 1s, scrape_timeout: 1s}\n"
+        "scrape_configs:\n"
+        f"  - job_name: pipeline\n    static_configs: [{{targets: {targets!r}}}]\n"
+    )
+    proc = _serve([exe, f"--config.file={config}", f"--storage.tsdb.path={folder / 'data'}",
+                   f"--web.listen-address=127.0.0.1:{port}"], f"http://127.0.0.1:{port}/-/ready",
+                  folder / "prometheus.log")
+    return Prometheus(f"http://127.0.0.1:{port}"), proc

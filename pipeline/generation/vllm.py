@@ -19,10 +19,12 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import re
 import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,6 +76,123 @@ def _root_cause(log_text: str) -> str | None:
     return (memory or causes or [None])[0]
 
 
+# -- one warning per run ----------------------------------------------------------
+#
+# Every engine of a pool logs the same vLLM warnings (its own process and its engine
+# core both), so a run of N engines showed each N times or more. `warn_once(key)`, the
+# pool's `PoolGate.first_time`, says whether a warning is new to the run; a warning
+# that is not is dropped here. Only warnings: errors, tracebacks, INFO lines and
+# progress bars always pass, and with `--verbose` nothing is filtered.
+
+WarnOnce = Callable[[str], bool]
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# vLLM's format: `[prefix](<process> pid=<pid>) WARNING MM-DD HH:MM:SS [file.py:N] message`,
+# and Ray puts its own `(<actor> pid=<pid>)` in front on the driver.
+_WARNING_LINE = re.compile(r"(?:^|\s)WARNING\s+\d\d-\d\d \d\d:\d\d:\d\d(?:[.,]\d+)?\s+(\[[^\]\s]+:\d+\])\s?(.*)$")
+
+
+def warning_key(line: str) -> str | None:
+    """`[file.py:N] message` for a vLLM WARNING line, else None. What tells two engines'
+    lines apart (timestamps, pids, process names, colours) is left out, so the same
+    warning from any engine gives the same key."""
+    match = _WARNING_LINE.search(_ANSI.sub("", line).rstrip())
+    return None if match is None else f"{match.group(1)} {match.group(2)}".rstrip()
+
+
+def record_key(record: logging.LogRecord) -> str:
+    """The key `warning_key` gives the line this record is formatted as (a one-line message)."""
+    return f"[{record.filename}:{record.lineno}] {record.getMessage()}".rstrip()
+
+
+def _first_time(warn_once: WarnOnce, key: str) -> bool:
+    try:
+        return bool(warn_once(key))
+    except Exception:  # never hide a warning because it could not be asked about
+        return True
+
+
+class WarningLines:
+    """The engine core's output with the warnings the run has already shown taken out.
+
+    Fed the bytes as they come off the pipe; judges whole lines, so a line split across
+    chunks waits for its end (a partial line longer than `max_partial`, a progress bar
+    that never ends its line, goes through as it is)."""
+
+    def __init__(self, warn_once: WarnOnce, max_partial: int = 65536):
+        self.warn_once = warn_once
+        self.max_partial = max_partial
+        self._partial = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        """What of `chunk` (and the partial line before it) to pass on now."""
+        *lines, self._partial = (self._partial + chunk).split(b"\n")
+        out = b"".join(line + b"\n" for line in lines if self._keep(line))
+        if len(self._partial) > self.max_partial:
+            out, self._partial = out + self._partial, b""
+        return out
+
+    def flush(self) -> bytes:
+        """The last, unterminated line, at the end of the output."""
+        line, self._partial = self._partial, b""
+        return line if line and self._keep(line) else b""
+
+    def _keep(self, line: bytes) -> bool:
+        if b"WARNING" not in line:  # cheap: most lines are not warnings
+            return True
+        key = warning_key(line.decode(errors="replace"))
+        return key is None or _first_time(self.warn_once, key)
+
+
+def python_warnings_once(warn_once: WarnOnce) -> None:
+    """This process's Python warnings (vLLM's and its libraries' deprecations, printed
+    when each engine imports them) once per run too, through the same `warn_once`."""
+    import warnings
+
+    shown = warnings.showwarning
+
+    def show(message: Any, category: type[Warning], filename: str, lineno: int, file: Any = None,
+             line: str | None = None) -> None:
+        key = f"[{os.path.basename(filename)}:{lineno}] {category.__name__}: {message}"
+        if _first_time(warn_once, key):
+            shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+
+
+class WarningFilter(logging.Filter):
+    """This process's vLLM warnings, once per run: on the `vllm` logger's handlers (a
+    filter on the logger itself would miss its children's records). ERROR and above,
+    and everything below WARNING, pass untouched."""
+
+    def __init__(self, warn_once: WarnOnce):
+        super().__init__()
+        self.warn_once = warn_once
+        self._handlers: list[logging.Handler] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not logging.WARNING <= record.levelno < logging.ERROR:
+            return True
+        try:
+            key = record_key(record)
+        except Exception:  # a message its arguments do not fit: logging reports that itself
+            return True
+        return _first_time(self.warn_once, key)
+
+    def attach(self) -> None:
+        """Onto the handlers vLLM has now: it replaces them when it configures logging
+        (each engine start-up may), so this is done after every start-up."""
+        self.detach()
+        self._handlers = list(logging.getLogger("vllm").handlers)
+        for handler in self._handlers:
+            handler.addFilter(self)
+
+    def detach(self) -> None:
+        for handler in self._handlers:
+            handler.removeFilter(self)
+        self._handlers = []
+
+
 class EngineLogTee:
     """Tee file descriptors 1 and 2 while the engine starts, to read why it failed.
 
@@ -83,9 +202,12 @@ class EngineLogTee:
     pipe for the start-up; a thread forwards everything to the real stderr
     (for as long as the core lives) and keeps a copy of what came during the
     start-up, so a memory failure can be told from any other.
+
+    With `warn_once`, what it forwards leaves out the warnings the run has already
+    shown (`WarningLines`); the copy it keeps is always the whole output.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, warn_once: WarnOnce | None = None) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         read_end, write_end = os.pipe()
@@ -97,6 +219,7 @@ class EngineLogTee:
         self._chunks: list[bytes] = []
         self._recording = True
         self._tail: deque[bytes] = deque(maxlen=64)  # what came after the start-up, for `tail`
+        self._lines = WarningLines(warn_once) if warn_once is not None else None
         self._thread = threading.Thread(target=self._pump, args=(read_end,), daemon=True)
         self._thread.start()
 
@@ -107,7 +230,9 @@ class EngineLogTee:
                     self._chunks.append(chunk)
                 else:
                     self._tail.append(chunk)
-                os.write(self._out, chunk)
+                os.write(self._out, chunk if self._lines is None else self._lines.feed(chunk))
+            if self._lines is not None:
+                os.write(self._out, self._lines.flush())
         os.close(self._out)
 
     def stop(self, wait_s: float = 0.0) -> str:
@@ -132,10 +257,12 @@ class VLLMEngine:
     """One vLLM engine, built once and reused for every call.
 
     `submit`, `step` and `abort` let a caller (the feeder) keep it fed,
-    admitting new requests as others finish.
+    admitting new requests as others finish. `warn_once` (the pool's
+    `first_time`) shows each vLLM warning once per run rather than once per
+    engine; None shows them all.
     """
 
-    def __init__(self, settings: VLLMSettings):
+    def __init__(self, settings: VLLMSettings, warn_once: WarnOnce | None = None):
         if settings.cpu_kvcache_space_gib is not None:
             # Read by the CPU backend when the engine core starts.
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(settings.cpu_kvcache_space_gib)
@@ -145,6 +272,8 @@ class VLLMEngine:
         self.startup_attempts: list[dict[str, Any]] = []
         self.rebuilds: list[dict[str, Any]] = []
         self._tee: EngineLogTee | None = None
+        self._warn_once = warn_once
+        self._warnings = WarningFilter(warn_once) if warn_once is not None else None
         self._dies_of_memory = False
         self._build()
 
@@ -152,12 +281,18 @@ class VLLMEngine:
 
     def _build(self) -> None:
         """Start vLLM; on a memory failure at start-up retry with a lower memory
-        fraction, down to `min_gpu_memory_utilization`, then fail clearly."""
+        fraction, down to `min_gpu_memory_utilization`, then fail clearly.
+
+        While the tee holds this process's descriptors, it alone judges the warnings
+        (this process's too, which reach it through them); the logging filter takes
+        over after, so no warning is asked about twice and hidden by its own asking."""
         from vllm import LLM
 
         while True:
             started = time.monotonic()
-            tee = EngineLogTee()
+            if self._warnings is not None:
+                self._warnings.detach()
+            tee = EngineLogTee(self._warn_once)
             try:
                 self._llm = LLM(**self.kwargs)
             except Exception as e:
@@ -176,6 +311,8 @@ class VLLMEngine:
                 continue
             tee.stop()
             self._tee = tee  # its pump goes on forwarding the core's output, and keeps its tail
+            if self._warnings is not None:
+                self._warnings.attach()
             self.startup_attempts.append({"gpu_memory_utilization": self.kwargs["gpu_memory_utilization"], "error": None})
             break
         self.startup_s = time.monotonic() - started
@@ -311,6 +448,12 @@ class VLLMEngine:
         )
         self._params = (sampling, params)
         return params
+
+    def metric_families(self) -> list[dict[str, Any]]:
+        """vLLM's own Prometheus metrics in this process, for the live metrics."""
+        from pipeline.metrics import vllm_families
+
+        return vllm_families()
 
     def kv_gauges(self) -> tuple[float, int]:
         """(KV-cache usage 0..1 at the last step, preemptions so far)."""

@@ -40,6 +40,7 @@ from itertools import groupby
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from pipeline import schema
 from pipeline.annotations import AnnotationParser
@@ -50,8 +51,10 @@ from pipeline.generation.engine import Completion, Engine, EngineCrashed, Sampli
 from pipeline.generation.feeder import EngineFeeder, FaultInjector
 from pipeline.generation.policy import BatchPolicy, BatchSizeController, ControllerSettings, FixedBatchPolicy
 from pipeline.generation.tasks import EngineCalls, annotate, map_reduce, summarize
-from pipeline.generation.vllm import VLLMEngine, VLLMSettings
+from pipeline.generation.vllm import VLLMEngine, VLLMSettings, python_warnings_once
 from pipeline.length import char_span, windows
+from pipeline.metrics import EngineMeter
+from pipeline.pool import engine_name
 from pipeline.schema import Status
 from pipeline.stages.lifeline import Lifeline
 from pipeline.stages.prepare import PrepareSettings, PrepareStage
@@ -100,6 +103,7 @@ class GenerateSettings:
     pool_gate: Any = None  # an object whose wait() returns once every engine of the pool is up
     stall_timeout_s: float | None = None  # a step running longer is a hung engine
     fail_on_start: bool = False  # drills: the engine fails to start
+    quiet_warnings: bool = True  # each vLLM warning once per run (the pool gate's `first_time`); off with --verbose
 
 
 class RunRefused(RuntimeError):
@@ -157,7 +161,11 @@ class GenerateStage:
         try:
             if settings.fail_on_start:
                 raise RuntimeError("debug.engine_fails_on_start: the engine failed to start")
-            self.engine = engine or VLLMEngine(settings.engine)
+            gate = settings.pool_gate
+            warn_once = gate.first_time if settings.quiet_warnings and hasattr(gate, "first_time") else None
+            if warn_once is not None and engine is None:
+                python_warnings_once(warn_once)
+            self.engine = engine or VLLMEngine(settings.engine, warn_once=warn_once)
         except Exception as e:
             self.life.start_failed(e)
             raise
@@ -174,10 +182,21 @@ class GenerateStage:
             self.annotations.max_new_tokens, self.annotations.json_schema)
         self.placement = where_am_i()
         self.ready_at = round(time.time(), 3)
+        self.meter = self._meter(settings.pool_gate)
         # Wait for the other engines, and for the driver's checks (None: go ahead).
         self.refused = settings.pool_gate.wait() if settings.pool_gate is not None else None
         if settings.stall_timeout_s:
             self.life.watch(self.feeder.stalled_s, settings.stall_timeout_s, self._kill_core())
+
+    def _meter(self, gate: Any) -> EngineMeter | None:
+        """This engine's live metrics (`pipeline.metrics`), sent to the pool's log."""
+        if gate is None or not hasattr(gate, "meter"):
+            return None
+        meter = EngineMeter(engine_name(self.life.key), self.actor, self.placement["host"], gate.meter,
+                            feeder=self.feeder, policy=self.policy, kv_usage=lambda: self.engine.kv_gauges()[0],
+                            vllm=getattr(self.engine, "metric_families", None))
+        meter.start()
+        return meter
 
     def _kill_core(self) -> Callable[[], None] | None:
         return getattr(self.engine, "kill_core", None)
@@ -241,9 +260,23 @@ class GenerateStage:
             raise RunRefused(self.refused)
         with self.life.serving(batch.num_rows):
             try:
-                return self._generate(batch)
+                out = self._generate(batch)
             except EngineCrashed as e:
                 self.life.end("engine_died", str(e), self._kill_core())
+        if self.meter is not None:
+            self._count(out)
+        return out
+
+    def _count(self, out: pa.Table) -> None:
+        """The batch's rows for the live metrics: by status and bucket (in a passages job, a
+        document counts once, with its first passage), and their tokens."""
+        rows = out
+        if "passage_index" in out.column_names:
+            rows = out.filter(pc.fill_null(pc.equal(out.column("passage_index"), 0), True))
+        self.meter.count(rows.column("status").to_pylist(), rows.column("bucket").to_pylist(),
+                         int(pc.sum(out.column("prompt_tokens")).as_py() or 0),
+                         int(pc.sum(out.column("output_tokens")).as_py() or 0))
+        self.meter.send()
 
     def _generate(self, batch: pa.Table) -> pa.Table:
         n = batch.num_rows
@@ -326,6 +359,9 @@ class GenerateStage:
         # Ray Data's teardown hook for actor stages: on graceful shutdown it drops
         # the UDF after the last task and before the actor exits. Closing here
         # stops the engine core with the actor rather than on a parent-death signal.
+        meter = getattr(self, "meter", None)
+        if meter is not None:
+            meter.stop()
         close = getattr(getattr(self, "engine", None), "close", None)
         if close is not None:
             close()

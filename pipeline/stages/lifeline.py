@@ -16,6 +16,7 @@ import os
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, NoReturn
@@ -34,7 +35,10 @@ def actor_identity() -> tuple[str, bool]:
             ctx = ray.get_runtime_context()
             actor = ctx.get_actor_id()
             if actor is not None:
-                return actor, bool(ctx.was_current_actor_reconstructed)
+                with warnings.catch_warnings():
+                    # Ray 2.60 reads this through its deprecated state API, and has no other.
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    return actor, bool(ctx.was_current_actor_reconstructed)
     except ImportError:
         pass
     return uuid.uuid4().hex, False

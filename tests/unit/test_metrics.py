@@ -1,0 +1,191 @@
+"""Live metrics (`pipeline.metrics`) and progress (`pipeline.progress`) without engines:
+a fake feeder and policy stand in for an engine actor's; the endpoint and the
+Pushgateway are real (Debian's pushgateway, started by the test)."""
+
+import io
+import json
+import time
+import urllib.request
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pipeline.generation.feeder import FeederTotals
+from pipeline.metrics import EngineMeter, RunMetrics, merge
+from pipeline.progress import ProgressLines, summary_line
+
+
+def samples(text: str) -> dict[tuple[str, tuple], float]:
+    """Every sample of an exposition: (name, sorted labels) -> value."""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+class Policy:
+    def trajectory(self, bucket):
+        return {"backoffs": [{"reason": "preemption"}, {"reason": "oom"}] if bucket == "le256" else []}
+
+
+def meter(engine="e1", incarnation="i1", sent=None):
+    calls = [SimpleNamespace(bucket="le256", in_flight=5, max_rows=12), SimpleNamespace(bucket="le512", in_flight=0,
+                                                                                      max_rows=4)]
+    totals = FeederTotals(busy_s=3.0, first_start=0.0, last_end=4.0, oom_retries=1)
+    feeder = SimpleNamespace(_calls=calls, totals=totals)
+    vllm = [{"name": "vllm:num_requests_running", "type": "gauge", "doc": "running",
+             "samples": [("vllm:num_requests_running", {"engine": "0", "model_name": "tiny"}, 5.0)]}]
+    return EngineMeter(engine, incarnation, "node-a", lambda who, snap: (sent or []).append((who, snap)),
+                       feeder=feeder, policy=Policy(), kv_usage=lambda: 0.42, vllm=lambda: vllm)
+
+
+def test_an_engine_snapshot_holds_its_rows_budgets_backoffs_and_vllms_own():
+    m = meter()
+    m.count(["ok", "ok", "error"], ["le256", "le256", None], prompt_tokens=300, output_tokens=48)
+    s = m.snapshot()
+    assert sorted(map(tuple, s["rows"])) == [("error", "none", 1), ("ok", "le256", 2)]
+    assert (s["prompt_tokens"], s["output_tokens"], s["kv_cache_usage"], s["busy_ratio"]) == (300, 48, 0.42, 0.75)
+    assert s["in_flight"] == {"le256": 5, "le512": 0} and s["budget_rows"] == {"le256": 12, "le512": 4}
+    assert s["backoffs"] == {"preemption": 1, "oom": 1}
+    json.dumps(s)  # it travels to the pool's log actor as plain data
+
+
+def test_a_restarted_engine_keeps_what_its_dead_incarnation_counted():
+    old, new = meter(incarnation="i1"), meter(incarnation="i2")
+    old.count(["ok"] * 10, ["le256"] * 10, 1000, 160)
+    new.count(["ok"] * 3, ["le256"] * 3, 300, 48)
+    first = old.snapshot()
+    time.sleep(0.01)
+    rows, prompt, output, engines = merge([first, new.snapshot()])
+    assert rows[("ok", "le256")] == 13 and (prompt, output) == (1300, 208)
+    assert [e["incarnation"] for e in engines] == ["i2"]  # gauges: the live incarnation's
+
+
+def run_metrics(**kw) -> RunMetrics:
+    m = RunMetrics("nightly_summarize", "run-1", "/data/out", "tiny", **kw)
+    snaps = []
+    for engine in ("e1", "e2"):
+        x = meter(engine=engine, incarnation=engine + "-1")
+        x.count(["ok"] * 40, ["le256"] * 40, 4000, 640)
+        snaps.append(x.snapshot())
+    pool = {"snapshots": snaps, "restarts": {"e2": 1}, "stalls": {"e2": 1}}
+    m.attach(lambda: pool, rows_in=100, resumed_rows=10)
+    return m
+
+
+def test_the_exposition_names_every_series_with_its_labels():
+    m = run_metrics()
+    m.refresh()
+    got = samples(m.exposition().decode())
+    assert got[("pipeline_input_rows", ())] == 100
+    assert got[("pipeline_rows_done_total", (("bucket", "le256"), ("status", "ok")))] == 80
+    assert got[("pipeline_rows_remaining", ())] == 10  # 100 - 10 resumed - 80 done
+    assert got[("pipeline_output_tokens_total", ())] == 1280
+    for engine in ("e1", "e2"):
+        who = (("engine", engine), ("node", "node-a"))
+        assert got[("pipeline_engine_kv_cache_usage_ratio", who)] == 0.42
+        assert got[("pipeline_engine_budget_rows", (("bucket", "le256"), *who))] == 12
+        assert got[("pipeline_engine_rows_in_flight", (("bucket", "le256"), *who))] == 5
+        # vLLM's own, its `engine` label replaced by ours
+        assert got[("vllm:num_requests_running", (*who[:1], ("model_name", "tiny"), who[1]))] == 5
+    stall = (("engine", "e2"), ("node", "node-a"), ("reason", "stall"))
+    assert got[("pipeline_engine_backoffs_total", stall)] == 1
+    assert got[("pipeline_engine_restarts_total", (("engine", "e2"), ("node", "node-a")))] == 1
+    assert ("pipeline_last_success_timestamp_seconds", ()) not in got  # only once the run succeeds
+
+
+def test_the_rate_and_eta_follow_the_rows():
+    m = run_metrics()
+    m.refresh()
+    m._history.appendleft((time.time() - 10, 40, 640))  # ten seconds ago: 50 rows, 640 tokens fewer
+    m.refresh()
+    assert m.state.tokens_per_s == pytest.approx(64, rel=0.05)
+    assert m.state.eta_s == pytest.approx(10 / 5, rel=0.05)  # 10 rows left at 5 rows/s
+
+
+def test_the_endpoint_serves_while_the_run_goes_and_lingers_after_it():
+    m = run_metrics(port=0, host="127.0.0.1", linger_s=1.0)
+    m.start()
+    url = f"http://127.0.0.1:{m.port}/metrics"
+    time.sleep(1.3)  # a refresh
+    with urllib.request.urlopen(url, timeout=5) as r:
+        assert samples(r.read().decode())[("pipeline_rows_remaining", ())] == 10
+    started = time.monotonic()
+    import threading
+
+    finish = threading.Thread(target=m.finish, args=(True,))
+    finish.start()
+    time.sleep(0.3)
+    with urllib.request.urlopen(url, timeout=5) as r:  # still up, with the final values
+        final = samples(r.read().decode())
+    assert final[("pipeline_last_success_timestamp_seconds", ())] > 0
+    finish.join()
+    assert time.monotonic() - started >= 1.0
+    with pytest.raises(OSError):
+        urllib.request.urlopen(url, timeout=2)
+
+
+def pushed(gateway: str, name: str) -> list[float]:
+    with urllib.request.urlopen(f"{gateway}/metrics", timeout=5) as r:
+        return [s.value for f in text_string_to_metric_families(r.read().decode()) for s in f.samples
+                if s.name == name and s.labels.get("job") == "nightly_summarize"]
+
+
+def test_the_pushgateway_keeps_the_last_success_through_a_failed_run(pushgateway):
+    ok = run_metrics(pushgateway=pushgateway)
+    ok.refresh()
+    ok.finish(success=True)
+    success = pushed(pushgateway, "pipeline_last_success_timestamp_seconds")
+    assert len(success) == 1 and success[0] == pytest.approx(time.time(), abs=30)
+    time.sleep(1.1)
+    failed = run_metrics(pushgateway=pushgateway)
+    failed.finish(success=False)
+    assert pushed(pushgateway, "pipeline_last_success_timestamp_seconds") == success
+    ended = pushed(pushgateway, "pipeline_run_end_timestamp_seconds")
+    assert len(ended) == 1 and ended[0] > success[0]  # the failed run did push
+
+
+def test_a_missing_pushgateway_is_a_warning_not_a_failure():
+    m = run_metrics(pushgateway="http://127.0.0.1:9")  # nothing listens there
+    m.finish(success=True)
+    assert m.push_errors
+
+
+def test_plain_progress_lines_come_at_the_interval_and_say_it_all():
+    m = run_metrics()
+    m.refresh()
+    out = io.StringIO()
+    lines = ProgressLines(interval_s=0.2, stream=out)
+    lines(m.state)
+    assert out.getvalue() == ""  # not before the first interval
+    time.sleep(0.25)
+    lines(m.state)
+    lines(m.state)
+    text = out.getvalue().splitlines()
+    assert len(text) == 1
+    assert text[0].startswith("progress 90/100 rows (90%) · ok 80 · error 0")
+    assert "engine e1@node-a: le256 5/12 · KV 42%" in text[0]
+    m.state.ended_at = time.time()
+    lines(m.state)
+    assert out.getvalue().splitlines()[-1].endswith("done")
+
+
+def test_the_summary_gives_the_eta_while_the_run_goes():
+    m = run_metrics()
+    m.refresh()
+    m.state.eta_s = 130
+    assert summary_line(m.state).endswith("ETA 2m10s")
+
+
+def test_the_pool_log_gives_every_incarnations_snapshot_and_restarts_per_engine():
+    from pipeline.pool import _Arrivals, engine_name
+
+    log = _Arrivals(engines=2)
+    actor = "ab12cd34" + "0" * 24
+    log.meter("i1", {"engine": engine_name(actor), "at": 1})
+    log.meter("i2", {"engine": engine_name(actor), "at": 2})
+    log.meter("i2", {"engine": engine_name(actor), "at": 3})  # the same incarnation again: its latest
+    log.note({"at": 1, "kind": "stall", "actor": actor})
+    log.restarted({"at": 2, "kind": "restart", "actor": actor})
+    got = log.metrics()
+    assert sorted(s["at"] for s in got["snapshots"]) == [1, 3]
+    assert got["restarts"] == {"ab12cd34": 1} and got["stalls"] == {"ab12cd34": 1}
