@@ -39,8 +39,8 @@ log = logging.getLogger(__name__)
 
 PREFIX = "pipeline_"
 SNAPSHOT_INTERVAL_S = 2.0  # an engine's snapshot, at most this old (and after every batch)
-RATE_WINDOW_S = 60.0
-REASONS = ("oom", "preemption", "overshoot", "stall")  # back-offs, always exported (0 until one happens)  # tokens/s and the ETA: over this last stretch of the run
+RATE_WINDOW_S = 60.0  # tokens/s and the ETA: over this last stretch of the run
+REASONS = ("oom", "preemption", "overshoot", "stall")  # back-offs, always exported (0 until one happens)
 
 
 @dataclass(frozen=True)
@@ -221,9 +221,7 @@ class RunMetrics:
 
     def start(self) -> None:
         if self.port is not None:
-            from prometheus_client import start_http_server
-
-            self._server, _ = start_http_server(self.port, addr=self.host, registry=self.registry)
+            self._server = serve(self.registry, self.host, self.port)
             self.port = self._server.server_address[1]  # port 0: the one it got
             log.info("metrics on http://%s:%d/metrics", self.host, self.port)
         self._thread = threading.Thread(target=self._loop, name="run-metrics", daemon=True)
@@ -319,6 +317,38 @@ class RunMetrics:
         from prometheus_client import generate_latest
 
         return generate_latest(self.registry)
+
+
+def serve(registry: Any, host: str, port: int) -> Any:
+    """An HTTP server for `/metrics` in a thread of its own; `shutdown()` stops it.
+
+    Always Prometheus's classic text format: prometheus-client's own server answers a
+    Prometheus that asks for OpenMetrics with colons escaped to underscores, so vLLM's
+    `vllm:time_to_first_token_seconds` would be stored as `vllm_time_to_first_token_seconds`
+    by a scrape and as `vllm:...` by a push; here it is `vllm:...` both ways, as vLLM names it."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path.split("?")[0] not in ("/", "/metrics"):
+                self.send_error(404)
+                return
+            body = generate_latest(registry)
+            self.send_response(200)
+            self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:  # a line per scrape otherwise
+            pass
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
+    return server
 
 
 class _Collector:

@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.dev.corpus import write_corpus
-from tests.conftest import REPO
+from tests.conftest import REPO, Prometheus, free_port, servers_installed, start_prometheus, start_pushgateway
 
 ROWS = 200
 MAX_NEW_TOKENS = 16
@@ -58,8 +58,38 @@ def sample_corpus(tmp_path_factory) -> Path:
     return write_corpus(tmp_path_factory.mktemp("sample") / "corpus.parquet", rows=1000, seed=0)
 
 
+@dataclass
+class Watchers:
+    """A Prometheus server scraping the shared run's metrics port every second, and a
+    Pushgateway it pushes to (`tests/integration/test_watch.py`)."""
+
+    prometheus: Prometheus
+    pushgateway: str
+    metrics_port: int
+
+
 @pytest.fixture(scope="session")
-def job_run(tmp_path_factory, tiny_model) -> JobRun:
+def watchers(tmp_path_factory) -> Iterator[Watchers | None]:
+    """None where Debian's prometheus packages are missing: the shared run goes on without
+    them, and the tests that need them say so in their skip reason."""
+    if not servers_installed():
+        yield None
+        return
+    folder = tmp_path_factory.mktemp("watch")
+    port = free_port()
+    prometheus, proc = start_prometheus(folder, [f"127.0.0.1:{port}"])
+    gateway, gateway_proc = start_pushgateway(folder)
+    yield Watchers(prometheus, gateway, port)
+    for p in (proc, gateway_proc):
+        p.terminate()
+        p.wait(10)
+
+
+PROGRESS_INTERVAL_S = 2
+
+
+@pytest.fixture(scope="session")
+def job_run(tmp_path_factory, tiny_model, watchers) -> JobRun:
     tmp = tmp_path_factory.mktemp("job")
     # Ten files: ten read blocks that reach the prepare stage one after another, as a
     # large corpus's files and row groups do (a one-file corpus is one read block).
@@ -86,10 +116,16 @@ def job_run(tmp_path_factory, tiny_model) -> JobRun:
         "--set", "engine.max_model_len=8192",
         "--set", "batching.learned_limits=null",  # no state carried between test runs
     )
+    # Watched as a nightly run would be: progress lines (stdout is a pipe here), and, where
+    # Prometheus is installed, its metrics scraped and pushed.
+    watch = ["--progress-interval-s", str(PROGRESS_INTERVAL_S)]
+    if watchers is not None:
+        watch += ["--metrics-port", str(watchers.metrics_port), "--metrics-host", "127.0.0.1",
+                  "--metrics-linger-s", "3", "--pushgateway", watchers.pushgateway]
     result = run_cli(
         REPO / "jobs/nightly_summarize.yaml", REPO / "conf/local.yaml", "--date", DATE,
         # {date} in paths given on the command line is filled in too.
-        "--input", str(tmp / "in" / "dt={date}"), "--output", str(tmp / "out" / "dt={date}"), *sets,
+        "--input", str(tmp / "in" / "dt={date}"), "--output", str(tmp / "out" / "dt={date}"), *sets, *watch,
     )
     run = read_run(output, corpus_path, result)
     run.sets = sets

@@ -43,7 +43,7 @@ def test_rerunning_a_date_replaces_its_partition_and_leaves_the_others(job_run, 
     # What it replaced is what the earlier report listed: its parts, report and plot.
     assert report["publish"] == {"replaces_run": job_run.report["run_id"],
                                  "replaces_files": len(job_run.report["files"]) + 1 + bool(job_run.report["plot_path"]),
-                                 "backup": None}
+                                 "backup": None, "mode": "swap"}
     assert report["warnings"] == []
     # The partition holds the new run only: every id once, none of the old parts left.
     assert Counter(written.column("id").to_pylist()) == Counter(job_run.corpus.column("id").to_pylist())

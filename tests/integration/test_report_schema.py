@@ -63,7 +63,8 @@ def test_report_keys_and_types_are_pinned(job_run):
         check(a, ACTOR, "engine.actors[]")
     for e in r["engine"]["engines"]:
         check(e, ENGINE, "engine.engines[]")
-    assert set(r["tokens"]) == {"prompt", "output"} and set(r["publish"]) == {"replaces_run", "replaces_files", "backup"}
+    assert set(r["tokens"]) == {"prompt", "output"}
+    assert set(r["publish"]) == {"replaces_run", "replaces_files", "backup", "mode"}
     assert set(r["input_files"]) == {"format", "read", "skipped"}
     assert set(r["length"]) == {"policy", "max_input_tokens", "keep", "outlier_percentile", "chunk_overlap",
                                 "percentile_cap_tokens", "truncated", "chunked"}

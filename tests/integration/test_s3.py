@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ class Scenario:
     s3: S3
     ids: list[str]
     first: dict[str, bytes]  # the first run's output, key -> bytes
+    terminal: str  # what the first run showed on its terminal
     first_report: dict
     during: list[list[str]]  # listings of the output while the second run wrote
     refused: subprocess.CompletedProcess
@@ -58,6 +60,33 @@ def command(s3: S3, tiny_model, *extra: str) -> list[str]:
         "--set", f"batching.prepare_batch_rows={ROWS_PER_FILE}", "--set", "batching.generate_batch_rows=8",
         "--set", "bucketing.window_rows=20", *extra,
     ]
+
+
+def in_terminal(cmd: list[str], env: dict[str, str], timeout_s: float = 600) -> subprocess.CompletedProcess:
+    """Run `cmd` with a pseudo-terminal as its stdout and stderr; what it wrote there."""
+    import pty
+    import select
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**env, "COLUMNS": "160", "TERM": "xterm-256color"},
+                            stdin=subprocess.DEVNULL, stdout=slave, stderr=slave)
+    os.close(slave)
+    chunks, deadline = [], time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([master], [], [], 0.5)
+        if ready:
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # the child closed its end
+                break
+            if not data:
+                break
+            chunks.append(data)
+        elif proc.poll() is not None:
+            break
+    proc.wait(timeout=60)
+    os.close(master)
+    return subprocess.CompletedProcess(cmd, proc.returncode, b"".join(chunks).decode(errors="replace"), "")
 
 
 def objects(s3: S3, prefix: str) -> dict[str, bytes]:
@@ -90,9 +119,9 @@ def scenario(s3_server, tiny_model, tmp_path_factory, ray_tmp) -> Iterator[Scena
     env = {**os.environ, **s3.env, "RAY_TMPDIR": ray_tmp}
     started = []
     try:
-        first = subprocess.run(command(s3, tiny_model), cwd=REPO, capture_output=True, text=True, timeout=600,
-                               env=env)
-        assert first.returncode == 0, first.stderr[-4000:]
+        # Under a pseudo-terminal, as a user at a shell would run it: the live progress display.
+        first = in_terminal(command(s3, tiny_model), env)
+        assert first.returncode == 0, first.stdout[-4000:]
         first_out = objects(s3, "out/")
 
         proc, driver = start(command(s3, tiny_model, "--set", "debug.slow_prepare_s=2"), ray_tmp,
@@ -116,7 +145,7 @@ def scenario(s3_server, tiny_model, tmp_path_factory, ray_tmp) -> Iterator[Scena
         resumed = subprocess.run(command(s3, tiny_model, "--resume"), cwd=REPO, capture_output=True, text=True,
                                  timeout=600, env=env)
         final = objects(s3, "out/")
-        yield Scenario(s3, whole.column("id").to_pylist(), first_out, json.loads(first_out["out/_report.json"]),
+        yield Scenario(s3, whole.column("id").to_pylist(), first_out, first.stdout, json.loads(first_out["out/_report.json"]),
                        during, refused, at_kill, after_kill, resumed, final,
                        json.loads(final.get("out/_report.json", b"{}")))
     finally:
@@ -164,3 +193,12 @@ def test_resume_on_s3_finishes_the_killed_run_and_matches_the_first(scenario):
     assert not set(scenario.first) - {"out/_report.json", "out/_batching.png"} & set(scenario.final)
     assert [k for k in scenario.s3.keys() if not k.startswith(("in/", "out/"))] == []
     assert report["publish"]["replaces_run"] == scenario.first_report["run_id"]
+
+
+def test_under_a_terminal_the_run_shows_one_live_progress_display(scenario):
+    shown = scenario.terminal
+    assert "\x1b[" in shown and "━" in shown  # redrawn in place: a rich bar, not lines
+    assert "progress " not in shown  # the plain lines are for logs, not terminals
+    assert f"{FILES * ROWS_PER_FILE}/{FILES * ROWS_PER_FILE} rows (100%)" in shown and "ok " in shown
+    assert "engine " in shown and "output tok/s" in shown
+    assert "Running Dataset" not in shown  # Ray's own bars: only with --verbose
