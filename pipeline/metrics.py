@@ -227,11 +227,15 @@ class RunMetrics:
         self._thread = threading.Thread(target=self._loop, name="run-metrics", daemon=True)
         self._thread.start()
 
-    def attach(self, source: Callable[[], dict[str, Any]], rows_in: int | None, resumed_rows: int = 0) -> None:
-        """Where the engines' snapshots come from (the pool's log), and what the run is to do."""
+    def expect(self, rows_in: int | None, resumed_rows: int = 0) -> None:
+        """What the run is to do: the input's rows, and those a stopped run committed."""
+        with self._lock:
+            self.state.rows_in, self.state.resumed_rows = rows_in, resumed_rows
+
+    def attach(self, source: Callable[[], dict[str, Any]]) -> None:
+        """Where the engines' snapshots come from: the pool's log."""
         with self._lock:
             self._source = source
-            self.state.rows_in, self.state.resumed_rows = rows_in, resumed_rows
 
     def detach(self) -> None:
         """The pool is going away: one last refresh, then no more reads of it."""
@@ -272,7 +276,9 @@ class RunMetrics:
     def refresh(self) -> None:
         with self._lock:
             source = self._source
-        if source is None:
+        if source is None:  # the engines are not there yet: the display still says where the run is
+            for watch in self.watchers:
+                watch(self.state)
             return
         try:
             pool = source()
@@ -285,6 +291,8 @@ class RunMetrics:
             s = self.state
             s.rows, s.prompt_tokens, s.output_tokens, s.engines = rows, prompt, output, engines
             s.restarts, s.stalls = Counter(pool.get("restarts", {})), Counter(pool.get("stalls", {}))
+            if s.done == s.resumed_rows and not output:
+                self._history.clear()  # the rates start with the first row, not with the engines' start-up
             self._history.append((now, s.done, output))
             while len(self._history) > 2 and now - self._history[0][0] > RATE_WINDOW_S:
                 self._history.popleft()

@@ -293,10 +293,10 @@ def _generate(config: RunConfig, run_id: str, inputs: Any, out_schema: pa.Schema
     elif profile.bucketing.grouping == "global":
         # One range partition per bucket, after every row is read (an all-to-all barrier).
         ds = ds.sort(schema.BUCKET_INDEX, boundaries=list(range(1, len(bucketer.names))))
+    metrics.expect(inputs.rows, committed.documents() if job.passages is not None else committed.rows)
     pool = EnginePool(hw, profile.engine.tensor_parallel_size)
     pool.open()
-    metrics.attach(pool.gate.metrics, inputs.rows,
-                   committed.documents() if job.passages is not None else committed.rows)
+    metrics.attach(pool.gate.metrics)
     incidents: list[dict[str, Any]] = []
     try:
         # Each engine warning once per run, unless --verbose.

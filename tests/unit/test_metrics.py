@@ -68,7 +68,8 @@ def run_metrics(**kw) -> RunMetrics:
         x.count(["ok"] * 40, ["le256"] * 40, 4000, 640)
         snaps.append(x.snapshot())
     pool = {"snapshots": snaps, "restarts": {"e2": 1}, "stalls": {"e2": 1}}
-    m.attach(lambda: pool, rows_in=100, resumed_rows=10)
+    m.expect(rows_in=100, resumed_rows=10)
+    m.attach(lambda: pool)
     return m
 
 
