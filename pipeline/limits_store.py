@@ -32,8 +32,12 @@ def hardware_id(accelerator: str) -> str:
     return f"cpu:{cpu_name()}"
 
 
-def limits_key(model: str, hardware: str, max_model_len: int, dtype: str) -> dict[str, Any]:
-    return {"model": model, "hardware": hardware, "max_model_len": max_model_len, "dtype": dtype}
+def limits_key(model: str, hardware: str, max_model_len: int, dtype: str, backend: str = "vllm") -> dict[str, Any]:
+    """What learned limits hold for. vLLM's are KV-cache tokens, transformers' are memory:
+    never one for the other (the backend is in the key when it is not vLLM, so keys saved
+    before it existed still match)."""
+    key = {"model": model, "hardware": hardware, "max_model_len": max_model_len, "dtype": dtype}
+    return key if backend == "vllm" else {**key, "backend": backend}
 
 
 def load_limits(path: str | None, key: dict[str, Any], max_age_days: float) -> dict[str, int]:

@@ -8,10 +8,12 @@ config key that moves changes here and in the config models, nowhere else.
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 from pipeline.config import EngineConfig, RunConfig, SamplingConfig
 from pipeline.generation.engine import Sampling
+from pipeline.generation.hf import HFSettings
 from pipeline.generation.vllm import VLLMSettings
 from pipeline.stages.generate import AnnotationSettings, GenerateSettings
 from pipeline.stages.prepare import PrepareSettings, Prompt
@@ -55,6 +57,19 @@ def vllm_settings(model: str, engine: EngineConfig, seed: int | None) -> VLLMSet
                         cpu_kvcache_space_gib=engine.cpu_kvcache_space_gib)
 
 
+def hf_settings(model: str, engine: EngineConfig, seed: int | None) -> HFSettings:
+    """The transformers backend's settings, from the same engine section."""
+    return HFSettings(model=model, dtype=engine.dtype, max_model_len=engine.max_model_len,
+                      max_num_seqs=engine.max_num_seqs or 256, memory_budget_gib=engine.memory_budget_gib, seed=seed)
+
+
+def engine_description(model: str, engine: EngineConfig, seed: int | None) -> dict[str, Any]:
+    """The engine's settings as the report gives them."""
+    if engine.backend == "transformers":
+        return {"backend": "transformers", **asdict(hf_settings(model, engine, seed))}
+    return engine_kwargs(model, engine, seed)
+
+
 def sampling_of(sampling: SamplingConfig, max_new_tokens: int | None = None,
                 json_schema: dict[str, Any] | None = None) -> Sampling:
     """The job's sampling as the generation core takes it."""
@@ -96,11 +111,13 @@ def generate_settings(config: RunConfig, prepare: PrepareSettings, run_id: str,
         run_id=run_id,
         model_name=profile.model.name,
         engine=vllm_settings(prepare.model_path, profile.engine, job.sampling.seed),
+        backend=profile.engine.backend,
+        hf=hf_settings(prepare.model_path, profile.engine, job.sampling.seed),
         sampling=sampling_of(job.sampling),
         prepare=prepare,
         policy=batching.policy,
         memory_target=batching.memory_target,
-        feed=batching.feed,
+        feed=profile.feed(),
         grouping=profile.bucketing.grouping,
         annotations=None if annotations is None else AnnotationSettings(
             annotations.json_schema, annotations.max_new_tokens, annotations.retry_max_new_tokens,

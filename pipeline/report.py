@@ -195,16 +195,46 @@ class RunReport:
     # A resumed run: the runs whose rows the output holds (lineage, this run last), what
     # was committed before and what this run generated.
     resume: dict[str, Any] | None = None
+    # The transformers backend's static batches: prompt tokens padded against real, per bucket.
+    padding: dict[str, Any] | None = None
     # Resume, engine restarts, stalls, engine deaths and failed starts: when, why, and the rows each affected.
     incidents: list[dict[str, Any]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
-        for optional in ("passages", "annotations"):
+        for optional in ("passages", "annotations", "padding"):
             if out[optional] is None:
                 del out[optional]
         return out
+
+
+def padding_summary(actors: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Padded against real prompt tokens, over every engine, per bucket and in all; None
+    where the engines do not pad (vLLM)."""
+    from collections import Counter
+
+    padded, real = Counter(), Counter()
+    found = False
+    for a in actors:
+        p = a.get("padding")
+        if not p:
+            continue
+        found = True
+        padded["all"] += p["padded_tokens"]
+        real["all"] += p["real_tokens"]
+        for b, v in p["by_bucket"].items():
+            padded[b] += v["padded_tokens"]
+            real[b] += v["real_tokens"]
+    if not found:
+        return None
+
+    def share(key: str) -> float:
+        return round((padded[key] - real[key]) / padded[key], 4) if padded[key] else 0.0
+
+    return {"padded_tokens": padded["all"], "real_tokens": real["all"], "padding_fraction": share("all"),
+            "by_bucket": {b: {"padded_tokens": padded[b], "real_tokens": real[b], "padding_fraction": share(b)}
+                          for b in padded if b != "all"}}
 
 
 def build_report(
@@ -254,7 +284,7 @@ def build_report(
         fill=_weighted([(c.get("fill"), c.get("busy_s", 0.0)) for c in calls]),
         batching={
             **batching.describe_policy(),
-            "feed": batching.feed,
+            "feed": config.profile.feed(),
             "backoffs": sum(len(c.get("backoffs", [])) for c in calls),
             "per_bucket": bucket_batching(calls, bucket_order),
         },

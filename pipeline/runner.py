@@ -42,10 +42,10 @@ from pipeline.config import AdaptivePolicy, RunConfig
 from pipeline.inputs import InputError, check_inputs, duplicate_ids
 from pipeline.metrics import RunMetrics, Watch
 from pipeline.output import OutputTarget, PublishError
-from pipeline.plan import engine_kwargs, generate_settings, prepare_settings
+from pipeline.plan import engine_description, generate_settings, prepare_settings
 from pipeline.pool import EnginePool, runtime_env
 from pipeline.progress import progress_for
-from pipeline.report import REPORT_NAME, RunReport, build_report, write_beside, write_report
+from pipeline.report import REPORT_NAME, RunReport, build_report, padding_summary, write_beside, write_report
 from pipeline.report_plot import plot_trajectories
 from pipeline.stages.prepare import PrepareSettings, context_limit
 
@@ -258,7 +258,8 @@ def _generate(config: RunConfig, run_id: str, inputs: Any, out_schema: pa.Schema
     max_model_len = context_limit(model_path, profile.engine.max_model_len)
     bucketer = LengthBucketer(profile.bucketing.boundaries)
     limits_key = limits_store.limits_key(
-        profile.model.name, limits_store.hardware_id(profile.hardware.accelerator), max_model_len, profile.engine.dtype
+        profile.model.name, limits_store.hardware_id(profile.hardware.accelerator), max_model_len, profile.engine.dtype,
+        profile.engine.backend,
     )
     start_limits = limits_store.load_limits(
         profile.batching.learned_limits, limits_key, profile.batching.learned_max_age_days
@@ -446,7 +447,7 @@ def finish(config: RunConfig, sink: Any, target: OutputTarget, run_id: str, inpu
         written=sink.summary,
         wall_s=time.monotonic() - started,
         started_at=started_at,
-        engine_settings=engine_kwargs(model_path, profile.engine, job.sampling.seed),
+        engine_settings=engine_description(model_path, profile.engine, job.sampling.seed),
         bucket_order=bucketer.names,
     )
     report.date = config.date
@@ -464,6 +465,7 @@ def finish(config: RunConfig, sink: Any, target: OutputTarget, run_id: str, inpu
             "valid": report.status.get("ok", 0), "invalid_output": report.status.get("invalid_output", 0),
             "retried": retried, "calls": kinds.get("annotations", 0) + kinds.get("annotations-retry", 0),
         }
+    report.padding = padding_summary(report.engine["actors"])
     report.length = {**job.length.model_dump(), "percentile_cap_tokens": percentile_cap,
                      "truncated": sink.summary["truncated"], "chunked": sink.summary["chunked"]}
     learned: dict[str, Any] = {"path": profile.batching.learned_limits, "key": limits_key,

@@ -288,6 +288,10 @@ def load_run_config(
     filled = _fill_date(job, date, job_src)
     job_cfg = _validate(JobConfig, job, job_src)
     profile_cfg = _validate(ProfileConfig, profile, profile_src)
+    if job_cfg.annotations is not None and profile_cfg.engine.backend == "transformers":
+        where = profile_src.get("engine.backend", str(profile_file))
+        raise ConfigError(f"{job_file}: annotations need structured outputs, which engine.backend: transformers "
+                          f"does not have ({where} sets it); use engine.backend: vllm for this job")
     return RunConfig(
         job=job_cfg, profile=profile_cfg, job_file=str(job_file), profile_file=str(profile_file), date=filled
     )

@@ -229,8 +229,19 @@ class RestartConfig(_Section):
 
 
 class EngineConfig(_Section):
-    """vLLM's own settings (passed to `vllm.LLM`), and `restart`."""
+    """The engine: vLLM's own settings (passed to `vllm.LLM`) and `restart`, or the
+    transformers backend's (`backend`, `memory_budget_gib`, `dtype`, `max_num_seqs`)."""
 
+    backend: Literal["vllm", "transformers"] = Field(
+        "vllm", description="vllm: continuous batching, preallocated KV cache (the default). transformers: "
+        "static batches padded to their longest prompt, decoder-only or encoder-decoder models (BART, T5), "
+        "batch size grown against real memory; no annotations.",
+    )
+    memory_budget_gib: float | None = Field(
+        None, gt=0, description="transformers backend: the memory one engine may use, weights included. "
+        "Required on CPU (an out-of-memory there can't be caught, so batches grow against this); on a GPU "
+        "default: the whole device.",
+    )
     max_model_len: int | None = Field(None, gt=0, description="Context length; default: the model's.")
     dtype: str = Field("auto", description="Weights and activations dtype (auto, bfloat16, float16, float32).")
     gpu_memory_utilization: float = Field(
@@ -453,6 +464,19 @@ class ProfileConfig(_Section):
     bucketing: BucketingConfig = BucketingConfig()
     batching: BatchingConfig = BatchingConfig()
     debug: DebugConfig = DebugConfig()
+
+    def feed(self) -> str:
+        """How the engines are fed: transformers' static batches always drain (one call's
+        rows at a time, so a batch is one bucket, padded once)."""
+        return "drain" if self.engine.backend == "transformers" else self.batching.feed
+
+    @model_validator(mode="after")
+    def _transformers_on_cpu_needs_a_budget(self) -> ProfileConfig:
+        e = self.engine
+        if e.backend == "transformers" and self.hardware.accelerator != "gpu" and e.memory_budget_gib is None:
+            raise ValueError("engine.memory_budget_gib is needed for engine.backend: transformers on CPU: an "
+                             "out-of-memory there can't be caught, so batches grow against a budget instead")
+        return self
 
     @model_validator(mode="after")
     def _tensor_parallel_needs_gpus(self) -> ProfileConfig:

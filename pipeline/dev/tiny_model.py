@@ -1,4 +1,5 @@
-"""A tiny random-weight Llama that vLLM loads on a CPU in seconds.
+"""A tiny random-weight Llama that vLLM loads on a CPU in seconds, and a tiny random
+BART (encoder-decoder) for the transformers engine, which vLLM does not serve.
 
 Its text is gibberish; what it is for is exercising the real engine offline:
 a real tokenizer (byte-level BPE trained here), a real chat template, and real
@@ -24,15 +25,18 @@ def build_tiny_model(
     seed: int = 0,
     vocab_size: int = 1024,
     max_position_embeddings: int = 16384,
+    kind: str = "llama",
 ) -> Path:
-    """Write a tokenizer and a randomly initialised Llama into `out`.
+    """Write a tokenizer and a randomly initialised Llama (or, `kind="bart"`, a BART
+    summarizer: no chat template, as such models have none) into `out`.
 
     The same seed gives byte-identical files, so a cached copy can be trusted
     and tests can assert determinism.
     """
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import BartConfig, BartForConditionalGeneration, LlamaConfig, LlamaForCausalLM
+    from transformers import PreTrainedTokenizerFast
 
     from pipeline.dev.corpus import tokenizer_training_text
 
@@ -56,8 +60,22 @@ def build_tiny_model(
         pad_token="<pad>",
         model_max_length=max_position_embeddings,
     )
-    fast.chat_template = CHAT_TEMPLATE
+    if kind == "llama":
+        fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
+    if kind == "bart":
+        config = BartConfig(
+            vocab_size=len(fast), d_model=64, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+            decoder_attention_heads=2, encoder_ffn_dim=128, decoder_ffn_dim=128,
+            max_position_embeddings=max_position_embeddings, bos_token_id=fast.bos_token_id,
+            eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id,
+            decoder_start_token_id=fast.eos_token_id, forced_bos_token_id=None, forced_eos_token_id=None,
+            # Untied: a random head tied to the embeddings echoes the decoder's start token, eos.
+            tie_word_embeddings=False,
+        )
+        torch.manual_seed(seed)
+        BartForConditionalGeneration(config).save_pretrained(out, safe_serialization=True)
+        return out
 
     # 2. Model: random weights from a seeded generator.
     config = LlamaConfig(
@@ -89,11 +107,12 @@ def fingerprint(model_dir: Path) -> str:
     return digest.hexdigest()
 
 
-def ensure_tiny_model(out: Path, seed: int = 0) -> Path:
-    """Build the model into `out` unless a complete copy for `seed` is there."""
+def ensure_tiny_model(out: Path, seed: int = 0, kind: str = "llama") -> Path:
+    """Build the model into `out` unless a complete copy for `seed` (and `kind`) is there."""
     marker = out / "tiny_model.json"
-    if marker.exists() and json.loads(marker.read_text()).get("seed") == seed:
+    if marker.exists() and json.loads(marker.read_text()) == ({"seed": seed} if kind == "llama"
+                                                             else {"seed": seed, "kind": kind}):
         return out
-    build_tiny_model(out, seed=seed)
-    marker.write_text(json.dumps({"seed": seed}))
+    build_tiny_model(out, seed=seed, kind=kind, **({"max_position_embeddings": 4096} if kind == "bart" else {}))
+    marker.write_text(json.dumps({"seed": seed} if kind == "llama" else {"seed": seed, "kind": kind}))
     return out

@@ -22,8 +22,6 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import psutil
-
 GUARD_LEVEL = 0.97
 
 
@@ -34,6 +32,16 @@ class PressureReading:
     preemptions: int | None
     device: float | None
     host: float
+
+
+def _meminfo_fraction() -> float:
+    """Used / total host memory from /proc/meminfo (Linux), as psutil reads it."""
+    fields = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            name, value = line.split(":", 1)
+            fields[name] = int(value.split()[0])
+    return (fields["MemTotal"] - fields["MemAvailable"]) / fields["MemTotal"]
 
 
 class _Nvml:
@@ -85,6 +93,10 @@ class MemoryProbe:
 
     @staticmethod
     def host_fraction() -> float:
+        try:
+            import psutil
+        except ImportError:  # the GPU check runs where only torch and transformers are
+            return _meminfo_fraction()
         vm = psutil.virtual_memory()
         return (vm.total - vm.available) / vm.total
 

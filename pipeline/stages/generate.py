@@ -49,8 +49,10 @@ from pipeline.config import AdaptivePolicy, FixedPolicy, TunedPolicy
 from pipeline.config.models import BatchPolicyConfig
 from pipeline.generation.engine import Completion, Engine, EngineCrashed, Sampling
 from pipeline.generation.feeder import EngineFeeder, FaultInjector
-from pipeline.generation.policy import BatchPolicy, BatchSizeController, ControllerSettings, FixedBatchPolicy
+from pipeline.generation.policy import (BatchPolicy, BatchSizeController, ControllerSettings, FixedBatchPolicy,
+                                        static_batch_settings)
 from pipeline.generation.tasks import EngineCalls, annotate, map_reduce, summarize
+from pipeline.generation.hf import HFSettings, TransformersEngine
 from pipeline.generation.vllm import VLLMEngine, VLLMSettings, python_warnings_once
 from pipeline.length import char_span, windows
 from pipeline.metrics import EngineMeter
@@ -103,6 +105,8 @@ class GenerateSettings:
     pool_gate: Any = None  # an object whose wait() returns once every engine of the pool is up
     stall_timeout_s: float | None = None  # a step running longer is a hung engine
     fail_on_start: bool = False  # drills: the engine fails to start
+    backend: str = "vllm"  # or "transformers": `hf` then builds the engine
+    hf: HFSettings | None = None
     quiet_warnings: bool = True  # each vLLM warning once per run (the pool gate's `first_time`); off with --verbose
 
 
@@ -136,9 +140,12 @@ def make_policy(settings: GenerateSettings, engine: Engine, learned: dict[str, i
         case TunedPolicy(rows=per_bucket, rows_per_call=rows):
             return FixedBatchPolicy(rows, per_bucket)
         case AdaptivePolicy(initial_budget_tokens=start):
+            controller = (static_batch_settings(settings.memory_target, engine.max_num_seqs)
+                          if settings.backend == "transformers"
+                          else ControllerSettings(target=settings.memory_target, max_rows=engine.max_num_seqs))
             return BatchSizeController(
-                ControllerSettings(target=settings.memory_target, max_rows=engine.max_num_seqs),
-                kv_capacity_tokens=engine.kv_cache_tokens,
+                controller,
+                kv_capacity_tokens=lambda: engine.kv_cache_tokens,  # learned as it runs, for transformers
                 learned=learned,
                 initial_budget_tokens=start,
             )
@@ -165,7 +172,7 @@ class GenerateStage:
             warn_once = gate.first_time if settings.quiet_warnings and hasattr(gate, "first_time") else None
             if warn_once is not None and engine is None:
                 python_warnings_once(warn_once)
-            self.engine = engine or VLLMEngine(settings.engine, warn_once=warn_once)
+            self.engine = engine or self._build_engine(settings, warn_once)
         except Exception as e:
             self.life.start_failed(e)
             raise
@@ -187,6 +194,15 @@ class GenerateStage:
         self.refused = settings.pool_gate.wait() if settings.pool_gate is not None else None
         if settings.stall_timeout_s:
             self.life.watch(self.feeder.stalled_s, settings.stall_timeout_s, self._kill_core())
+
+    def _build_engine(self, settings: GenerateSettings, warn_once: Any) -> Engine:
+        if settings.backend == "transformers" and settings.hf is not None:
+            engine = TransformersEngine(settings.hf)
+            # Its padding, by the bucket of each batch's longest prompt (a batch is one bucket,
+            # unless grouping is off).
+            engine.bucket_of = (lambda tokens: "mixed") if self.grouping == "off" else self.bucketer.name
+            return engine
+        return VLLMEngine(settings.engine, warn_once=warn_once)
 
     def _meter(self, gate: Any) -> EngineMeter | None:
         """This engine's live metrics (`pipeline.metrics`), sent to the pool's log."""
@@ -231,6 +247,7 @@ class GenerateStage:
             "bisections": t.bisections,
             "rebuilds": self.engine.rebuilds,
             "learned": self.policy.learned_limits(),
+            **({"padding": self.engine.padding.to_json()} if hasattr(self.engine, "padding") else {}),
         }
 
     def _summarize_chunked(self, rows: dict[int, dict[str, Any]], pieces: dict[int, list[str]],

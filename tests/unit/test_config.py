@@ -216,3 +216,14 @@ def test_per_batch_grouping_is_replaced_by_the_streaming_window():
     with pytest.warns(ConfigDeprecationWarning, match="per_batch is replaced by window"):
         assert load_run_config(JOB, LOCAL, ["bucketing.grouping=per_batch"]).profile.bucketing.grouping == "window"
     assert load_run_config(JOB, LOCAL, ["bucketing.grouping=global"]).profile.bucketing.grouping == "global"
+
+
+def test_the_transformers_backend_is_checked_before_any_model_loads():
+    cfg = load_run_config(JOB, LOCAL, ["engine.backend=transformers", "engine.memory_budget_gib=2"])
+    assert cfg.profile.engine.backend == "transformers" and cfg.profile.feed() == "drain"
+    with pytest.raises(ConfigError, match="memory_budget_gib is needed for engine.backend: transformers on CPU"):
+        load_run_config(JOB, LOCAL, ["engine.backend=transformers"])
+    kb = REPO / "jobs/kb_ingest.yaml"
+    with pytest.raises(ConfigError, match=r"kb_ingest.yaml: annotations need structured outputs.*"
+                                          r"--set engine.backend=transformers"):
+        load_run_config(kb, LOCAL, ["engine.backend=transformers", "engine.memory_budget_gib=2"])

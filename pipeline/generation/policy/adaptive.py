@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -76,6 +77,14 @@ class ControllerSettings:
             raise ValueError(f"safety margin must be at least 0.05, got {self.margin}")
         if self.small_start_rows < 1:
             raise ValueError("small_start_rows must be at least 1")
+
+
+def static_batch_settings(target: float = 0.90, max_rows: int | None = None) -> ControllerSettings:
+    """For an engine that pads each batch to its longest prompt (transformers): the budget
+    counts the rows' own tokens, memory the padded ones, which in the widest bucket (2,049
+    to 4,096 tokens) can be twice as many; so a new bucket's first batch starts at 45% of
+    the capacity, half of what suits vLLM, and grows from there."""
+    return ControllerSettings(target=target, start_fraction=0.45, max_rows=max_rows)
 
 
 @dataclass
@@ -108,7 +117,7 @@ class BatchSizeController:
     def __init__(
         self,
         settings: ControllerSettings = ControllerSettings(),
-        kv_capacity_tokens: int | None = None,
+        kv_capacity_tokens: int | Callable[[], int | None] | None = None,
         learned: dict[str, int] | None = None,
         initial_budget_tokens: int | None = None,
         clock: Any = None,
@@ -130,8 +139,11 @@ class BatchSizeController:
             return self.learned[bucket], "learned"
         if self.initial_budget_tokens is not None:
             return self.initial_budget_tokens, "configured"
-        if self.kv_capacity_tokens:
-            return int(self.settings.start_fraction * self.kv_capacity_tokens), "kv_capacity"
+        capacity = self.kv_capacity_tokens() if callable(self.kv_capacity_tokens) else self.kv_capacity_tokens
+        if capacity:
+            # An engine that learns its capacity as it runs (transformers: memory per token,
+            # measured on the buckets before) gives each new bucket its first batch from it.
+            return int(self.settings.start_fraction * capacity), "kv_capacity"
         return int(self.settings.small_start_rows * tokens_per_row), "small"
 
     def state(self, bucket: str, tokens_per_row: float) -> BucketState:
