@@ -16,7 +16,7 @@ CORPUS  := data/sample/corpus-$(ROWS).parquet
 JOB     ?= jobs/nightly_summarize.yaml
 PROFILE ?= conf/local.yaml
 
-.PHONY: setup run test test-tools bench bench-batching bench-resume bench-s3 bench-metrics clean
+.PHONY: setup run test test-tools bench bench-batching bench-resume bench-s3 bench-metrics bench-transformers gpu-check clean
 
 setup: $(STAMP)
 
@@ -74,6 +74,16 @@ bench-s3: $(STAMP)
 # (bench/metrics_cost.py, one real engine on the tiny model): a minute.
 bench-metrics: $(STAMP)
 	$(BIN)/python bench/metrics_cost.py
+
+# The transformers engine with buckets and without, and vLLM, on the sample corpus
+# (bench/transformers_engine.py): about 6 minutes on 2 cores.
+bench-transformers: $(STAMP)
+	$(BIN)/python bench/transformers_engine.py
+
+# On a GPU machine with only torch, transformers, nvidia-ml-py and pyarrow (no venv, no
+# Ray, no vLLM): memory-driven batch growth with a random 1B model, about 5 minutes.
+gpu-check:
+	$(PYTHON) -m pipeline.gpucheck --out bench/results/gpu/gpucheck.json
 
 clean:
 	rm -rf out data .cache
