@@ -173,11 +173,16 @@ class WarningFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if not logging.WARNING <= record.levelno < logging.ERROR:
             return True
-        try:
-            key = record_key(record)
-        except Exception:  # a message its arguments do not fit: logging reports that itself
-            return True
-        return _first_time(self.warn_once, key)
+        # Asked once per record: with several handlers, the second would otherwise find the
+        # warning seen (by the first's asking) and drop it.
+        decided = getattr(record, "_shown_once", None)
+        if decided is None:
+            try:
+                decided = _first_time(self.warn_once, record_key(record))
+            except Exception:  # a message its arguments do not fit: logging reports that itself
+                decided = True
+            record._shown_once = decided
+        return decided
 
     def attach(self) -> None:
         """Onto the handlers vLLM has now: it replaces them when it configures logging

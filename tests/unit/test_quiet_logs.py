@@ -196,3 +196,27 @@ def test_python_warnings_are_shown_once_per_run_whatever_the_process():
     finally:
         warnings.showwarning = shown
     assert err.getvalue().count("reduce_op is deprecated") == 1 and "something else" in err.getvalue()
+
+
+def test_a_warning_is_judged_once_however_many_handlers_show_it():
+    once = Once()
+    vllm = logging.getLogger("vllm")
+    shown: list[str] = []
+    handlers = []
+    for name in ("vllm's own", "a test's"):
+        h = logging.Handler()
+        h.emit = lambda record, name=name: shown.append(name)
+        handlers.append(h)
+        vllm.addHandler(h)
+    propagate, vllm.propagate = vllm.propagate, False
+    quiet = WarningFilter(once)
+    try:
+        quiet.attach()
+        for _ in range(2):  # one line of code: one warning
+            logging.getLogger("vllm.x").warning("Enforce eager set")
+    finally:
+        quiet.detach()
+        for h in handlers:
+            vllm.removeHandler(h)
+        vllm.propagate = propagate
+    assert shown == ["vllm's own", "a test's"] and len(once.asked) == 2
