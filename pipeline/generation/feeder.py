@@ -185,6 +185,15 @@ class EngineFeeder:
     def preemptions(self) -> int:
         return self.engine.kv_gauges()[1]
 
+    def admission_cost(self, r: Request) -> int:
+        """Tokens in flight once `r` is admitted. An engine that pads its batches (static
+        batches: `pads_batches`) runs every row at the batch's longest, so there the batch
+        costs its rows times its longest row: a long row admitted into short ones costs
+        what its padding makes of them."""
+        if not getattr(self.engine, "pads_batches", False):
+            return self.in_flight_cost + r.cost
+        return (len(self.in_flight) + 1) * max(r.cost, max((q.cost for _, q in self.in_flight.values()), default=0))
+
     def stalled_s(self) -> float:
         """How long the engine step now running has run; 0 between steps."""
         started = self._step_started
@@ -466,7 +475,7 @@ class _Call:
                 and feeder.stock_engine_queue):
             cap = self.max_rows + engine.max_num_seqs
         while admit and self.queue and len(feeder.in_flight) < cap and (
-            not feeder.in_flight or feeder.in_flight_cost + self.queue[0].cost <= budget
+            not feeder.in_flight or feeder.admission_cost(self.queue[0]) <= budget
         ):
             self._submit(self.queue.popleft())
         return not self.queue

@@ -126,6 +126,8 @@ class _PeakRSS:
 class TransformersEngine:
     """One transformers model, kept loaded; each `step` is one static batch."""
 
+    pads_batches = True  # the feeder charges a batch its rows x its longest row
+
     def __init__(self, settings: HFSettings, device_api: Any = None, model: Any = None, tokenizer: Any = None):
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
@@ -194,9 +196,11 @@ class TransformersEngine:
         tokens follows, which the batch controller starts each new bucket from."""
         if tokens <= 0:
             return
-        self._calibrations.append(max(extra_bytes, 0) / tokens)
+        if len(self._calibrations) < CALIBRATION_BATCHES:
+            self._calibrations.append(max(extra_bytes, 0) / tokens)
         # The first batch also pays one-time allocations (kernels, caches): once there is
-        # another, it no longer counts.
+        # another, it no longer counts. Then the largest of the first few: the estimate
+        # keeps to what it has seen, and what a batch is seen to take guards the rest.
         self.token_bytes = max(self._calibrations[1:] or self._calibrations)
         if self.token_bytes > 0:
             self.kv_cache_tokens = int(max(self.budget_bytes - self.weights_bytes, 0) / self.token_bytes)
@@ -287,7 +291,7 @@ class TransformersEngine:
             if e.cuda:
                 e.device_api.reset_peak_memory_stats(e.device)
             else:
-                self.rss = _PeakRSS().__enter__() if len(e._calibrations) < CALIBRATION_BATCHES else None
+                self.rss = _PeakRSS().__enter__()
 
         def __exit__(self, kind: Any, *exc: Any) -> None:
             e = self.engine
@@ -297,12 +301,15 @@ class TransformersEngine:
                     e._learn_token_cost(peak - e.weights_bytes, self.tokens)
                 e._pressure = peak / e.budget_bytes
                 return
-            if self.rss is not None:
-                self.rss.__exit__()
-                if kind is None:
-                    e._learn_token_cost(self.rss.peak - self.rss.before, self.tokens)
+            self.rss.__exit__()
+            extra = self.rss.peak - self.rss.before
+            if kind is None:
+                e._learn_token_cost(extra, self.tokens)
             if e.token_bytes is not None:
-                e._pressure = (e.weights_bytes + e.token_bytes * self.tokens) / e.budget_bytes
+                # The estimate, or what the batch was seen to take if that was more: attention's
+                # memory grows faster than its tokens on long padded batches, and the next
+                # batch of the bucket then backs off instead of growing.
+                e._pressure = max(e.weights_bytes + e.token_bytes * self.tokens, e.weights_bytes + extra) / e.budget_bytes
 
     def _measure(self, tokens: int) -> TransformersEngine._Measured:
         return self._Measured(self, tokens)

@@ -59,7 +59,8 @@ def test_the_cpu_budget_is_estimated_from_a_calibrated_cost_per_token(tiny_model
     small = engine.kv_gauges()[0]
     run(engine, [list(range(10, 410))] * 32)
     expected = (engine.weights_bytes + engine.token_bytes * 32 * (400 + 12)) / engine.budget_bytes
-    assert engine.kv_gauges()[0] == pytest.approx(expected) and engine.kv_gauges()[0] > small
+    # The estimate, or what the batch was seen to take where that was more.
+    assert engine.kv_gauges()[0] >= expected * 0.999 and engine.kv_gauges()[0] > small
 
 
 def test_too_long_and_structured_requests_are_refused(tiny_bart):
@@ -82,6 +83,8 @@ class FakeDevice:
     """A static-batch engine on a device of `capacity` bytes: a batch costs the weights
     plus `per_token` bytes per batch token (rows x (padded prompt + new tokens)), and one
     over the capacity raises as CUDA does. Reports like the transformers engine."""
+
+    pads_batches = True
 
     def __init__(self, capacity=2e9, weights=5e8, per_token=20_000.0, max_num_seqs=4096):
         self.capacity, self.weights, self.per_token = capacity, weights, per_token
@@ -131,11 +134,11 @@ class FakeDevice:
 def test_batches_grow_to_the_budget_back_off_on_oom_and_the_learned_limit_is_reused():
     device = FakeDevice()
     sampling = Sampling(max_new_tokens=16)
-    rows = [(i, list(range(10, 10 + 200 + i % 40))) for i in range(3000)]
+    rows = [(i, list(range(10, 10 + 200 + i % 40))) for i in range(6000)]
     controller = BatchSizeController(ControllerSettings(target=0.9, max_rows=device.max_num_seqs),
                                      kv_capacity_tokens=lambda: device.kv_cache_tokens)
     result = EngineFeeder(device, controller, feed="drain", stock_engine_queue=False).serve("le256", rows, sampling)
-    assert len(result.completions) == 3000 and all(c.error is None for c in result.completions.values())
+    assert len(result.completions) == 6000 and all(c.error is None for c in result.completions.values())
     steps = controller.trajectory("le256")["steps"]
     assert [s["action"] for s in steps[:3]] == ["start", "grow", "grow"]  # doubling from a small start
     pressures = [p["pressure"] for p in device.peaks if not p.get("oom")]

@@ -80,11 +80,12 @@ class ControllerSettings:
 
 
 def static_batch_settings(target: float = 0.90, max_rows: int | None = None) -> ControllerSettings:
-    """For an engine that pads each batch to its longest prompt (transformers): the budget
-    counts the rows' own tokens, memory the padded ones, which in the widest bucket (2,049
-    to 4,096 tokens) can be twice as many; so a new bucket's first batch starts at 45% of
-    the capacity, half of what suits vLLM, and grows from there."""
-    return ControllerSettings(target=target, start_fraction=0.45, max_rows=max_rows)
+    """For an engine that pads each batch to its longest prompt (transformers): a new
+    bucket's first batch is predicted from a cost per token measured on the batches before
+    it, which were shorter, and attention's memory can grow faster than the tokens on long
+    padded batches; so the first batch starts at 70% of the capacity rather than 90%, and
+    grows from there (an out-of-memory on a GPU halves it, as ever)."""
+    return ControllerSettings(target=target, start_fraction=0.70, max_rows=max_rows)
 
 
 @dataclass
