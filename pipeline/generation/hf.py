@@ -128,7 +128,7 @@ class TransformersEngine:
 
     pads_batches = True  # the feeder charges a batch its rows x its longest row
 
-    def __init__(self, settings: HFSettings, device_api: Any = None, model: Any = None, tokenizer: Any = None):
+    def __init__(self, settings: HFSettings, model: Any = None, tokenizer: Any = None):
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
@@ -140,8 +140,7 @@ class TransformersEngine:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = device
         self.cuda = device.startswith("cuda")
-        # `device_api`: torch.cuda, or a fake with the same four calls in the GPU check's tests.
-        self.device_api = device_api or (torch.cuda if self.cuda else None)
+        self.device_api = torch.cuda if self.cuda else None
         # `model` and `tokenizer`: built already (the GPU check's random model), else loaded.
         config = model.config if model is not None else AutoConfig.from_pretrained(settings.model)
         self.encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))

@@ -23,7 +23,7 @@ import psutil
 import pytest
 
 from pipeline.dev.corpus import write_corpus
-from tests.conftest import REPO
+from tests.conftest import REPO, servers_installed, start_pushgateway
 from tests.integration.conftest import JobRun, read_run, run_cli
 
 pytestmark = pytest.mark.integration
@@ -96,7 +96,19 @@ def end_processes(processes: list[psutil.Process], grace_s: float = 5.0) -> None
 
 
 @pytest.fixture(scope="module")
-def cluster_run(cluster, tiny_model, tmp_path_factory) -> JobRun:
+def gateway(tmp_path_factory) -> Iterator[str | None]:
+    """A Pushgateway the cluster run pushes to (None where Debian's package is missing)."""
+    if not servers_installed():
+        yield None
+        return
+    url, proc = start_pushgateway(tmp_path_factory.mktemp("cluster-gateway"))
+    yield url
+    proc.terminate()
+    proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def cluster_run(cluster, tiny_model, tmp_path_factory, gateway) -> JobRun:
     tmp = tmp_path_factory.mktemp("cluster")
     corpus = write_corpus(tmp / "in" / "corpus.parquet", rows=ROWS, seed=5)
     sets = (
@@ -110,7 +122,8 @@ def cluster_run(cluster, tiny_model, tmp_path_factory) -> JobRun:
     )
     # The child inherits RAY_TMPDIR while the cluster is up: the driver keeps to its temp dir too.
     result = run_cli(REPO / "jobs/nightly_summarize.yaml", REPO / "conf/local.yaml",
-                     "--input", str(corpus), "--output", str(tmp / "out"), *sets)
+                     "--input", str(corpus), "--output", str(tmp / "out"), *sets,
+                     *(("--pushgateway", gateway) if gateway else ()))
     run = read_run(tmp / "out", corpus, result)
     run.sets = sets
     return run
@@ -129,6 +142,21 @@ def test_engines_run_on_different_nodes(cluster, cluster_run):
     nodes = {a["node"] for a in actors}
     assert len(nodes) == 2, actors
     assert nodes <= {n.node_id for n in cluster.list_all_nodes()}
+
+
+def test_every_engines_metrics_reach_the_driver_whichever_node_it_is_on(cluster_run, gateway):
+    if gateway is None:
+        pytest.skip("prometheus-pushgateway is not installed; `make test` installs it where apt-get can")
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{gateway}/metrics", timeout=5) as r:
+        samples = [s for f in text_string_to_metric_families(r.read().decode()) for s in f.samples]
+    busy = {s.labels["engine"] for s in samples if s.name == "pipeline_engine_busy_ratio"}
+    vllm = {s.labels["engine"] for s in samples if s.name == "vllm:time_to_first_token_seconds_count"}
+    assert len(busy) == 2 and vllm == busy  # both engines, one per node, through the driver's one push
+    assert sum(s.value for s in samples if s.name == "pipeline_rows_done_total") == ROWS
 
 
 def test_both_engines_serve_the_largest_bucket(cluster_run):
