@@ -11,7 +11,7 @@ from pipeline.commits import commit_part
 from pipeline.lease import Lease, LeaseLost, OutputBusy, OutputLease, Owner
 from pipeline.output import PUBLISHING_MARKER, OutputError, OutputTarget, PublishError
 from pipeline.report import REPORT_NAME
-from tests.unit.test_output import JOB, stage
+from tests.unit.test_output import JOB, run, stage
 
 
 def earlier_output(s3, prefix: str = "out", run_id: str = "run0", parts: int = 3) -> list[str]:
@@ -25,17 +25,6 @@ def earlier_output(s3, prefix: str = "out", run_id: str = "run0", parts: int = 3
 
 def listed(s3, prefix: str = "out") -> list[str]:
     return [k[len(prefix) + 1:] for k in s3.keys(prefix + "/")]
-
-
-def s3_run(s3, run_id: str, parts: int = 1, **kw) -> tuple[OutputTarget, list[str]]:
-    target = OutputTarget(f"s3://{s3.bucket}/out", JOB, run_id, **kw)
-    target.open()
-    try:
-        names = stage(target, run_id, parts)
-        target.publish()
-    finally:
-        target.close()
-    return target, names
 
 
 # --- the lease: conditional writes ----------------------------------------------------
@@ -108,7 +97,7 @@ def test_a_reader_listing_the_output_sees_one_runs_whole_set_whenever_a_report_i
     thread = threading.Thread(target=reader)
     thread.start()
     try:
-        target, names = s3_run(s3, "run1", parts=60)
+        target, names = run(f"s3://{s3.bucket}/out", "run1", parts=60)
     finally:
         stop.set()
         thread.join()
@@ -199,12 +188,12 @@ def test_a_failed_s3_run_leaves_the_output_and_keeps_its_staging_beside_it_for_r
 
 
 def test_a_second_s3_run_replaces_only_what_the_first_wrote(s3):
-    _, first = s3_run(s3, "run1", parts=2)
+    _, first = run(f"s3://{s3.bucket}/out", "run1", parts=2)
     s3.client.put_object(Bucket=s3.bucket, Key="out-notes.txt", Body=b"a neighbour")
-    _, second = s3_run(s3, "run2", parts=3)
+    _, second = run(f"s3://{s3.bucket}/out", "run2", parts=3)
     assert listed(s3) == sorted(second)
     assert s3.get("out-notes.txt") == b"a neighbour"
     s3.client.put_object(Bucket=s3.bucket, Key="out/part-00000-spark.parquet", Body=b"spark")
     with pytest.raises(OutputError, match="part-00000-spark"):
-        s3_run(s3, "run3")
+        run(f"s3://{s3.bucket}/out", "run3")
     assert listed(s3) == sorted([*second, "part-00000-spark.parquet"])
