@@ -17,6 +17,7 @@ from rich.table import Table
 
 from pipeline.config import ConfigDeprecationWarning, ConfigError, RunConfig, load_run_config
 from pipeline.inputs import InputError
+from pipeline.schema import FAILED_STATUSES
 
 console = Console(stderr=True)
 
@@ -126,7 +127,7 @@ def main() -> None:
               help="The output folder holds files this pipeline did not write (or another job's output): "
                    "move it aside to PATH.backup-<UTC time> when the run publishes, instead of refusing to run.")
 @click.option("--fail-on-error-rate", type=click.FloatRange(0.0, 1.0), default=None, metavar="X",
-              help="Exit 3 when more than this share of rows end with status error (e.g. 0.01).")
+              help="Exit 3 when more than this share of rows failed: status error or empty_output (e.g. 0.01).")
 @click.option("--date", metavar="YYYY-MM-DD",
               help="The day for a job whose paths hold {date} (jobs/nightly_summarize.yaml). "
                    "Default: yesterday, UTC.")
@@ -163,7 +164,8 @@ def run(job: Path, profile: Path, input_path: str | None, output_path: str | Non
     original_tokens, chunks, bucket, status, error, notes, latency_s, model,
     run_id) and _report.json, published whole. Every input row comes out
     exactly once (with passages: once per passage), with status ok, error,
-    skipped_too_long or invalid_output.
+    skipped_too_long, invalid_output or empty_output (the model wrote only
+    whitespace).
 
     The run replaces only what it wrote itself: an output folder holding
     anything else (or another job's output) stops it before it starts, unless
@@ -179,7 +181,8 @@ def run(job: Path, profile: Path, input_path: str | None, output_path: str | Non
     Exit status: 0 when the job ran, even if some rows have status `error`; 2
     when the config, input or output is wrong, or another run is writing the
     output (nothing ran); 3 when the share of error rows exceeds
-    --fail-on-error-rate; 1 on any other failure. The last line says why.
+    --fail-on-error-rate (error and empty_output rows count); 1 on any other
+    failure. The last line says why.
     """
     from pipeline.lease import OutputBusy
     from pipeline.metrics import Watch
@@ -210,9 +213,11 @@ def run(job: Path, profile: Path, input_path: str | None, output_path: str | Non
         console.print_exception(max_frames=5)
         _fail(EXIT_FAILED, f"{type(e).__name__}: {e}")
     print_summary(report)
-    errors = report["status"].get("error", 0)
+    failed = {s: n for s, n in report["status"].items() if s in FAILED_STATUSES and n}
+    errors = sum(failed.values())
     if fail_on_error_rate is not None and report["rows_out"] and errors / report["rows_out"] > fail_on_error_rate:
-        _fail(EXIT_ERROR_RATE, f"{errors} of {report['rows_out']} rows ended in error "
+        what = " or ".join(sorted(failed))
+        _fail(EXIT_ERROR_RATE, f"{errors} of {report['rows_out']} rows ended in {what} "
                                f"({errors / report['rows_out']:.2%}), above --fail-on-error-rate {fail_on_error_rate}")
 
 

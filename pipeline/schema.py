@@ -25,6 +25,18 @@ class Status(StrEnum):
     # The annotation JSON did not validate against the job's schema, even after one
     # retry with more room; `raw_output` keeps the text and `error` says what failed.
     INVALID_OUTPUT = "invalid_output"
+    # The engine ran, but the summary (or the annotation) it wrote is empty or only
+    # whitespace: not a success. `summary` keeps the text, `error` says so.
+    EMPTY_OUTPUT = "empty_output"
+
+
+# Statuses that count as failed rows for `--fail-on-error-rate`.
+FAILED_STATUSES = (Status.ERROR.value, Status.EMPTY_OUTPUT.value)
+
+
+def is_empty(text: str | None) -> bool:
+    """Empty or only whitespace: nothing a reader could use."""
+    return text is not None and not text.strip()
 
 
 # Columns the pipeline adds to every output row, in output order.

@@ -18,7 +18,7 @@ recognise an error by its class name:
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 
@@ -44,10 +44,11 @@ class Sampling:
     top_p: float = 1.0
     seed: int | None = None
     json_schema: dict[str, Any] | None = None  # constrain the output to this JSON Schema
+    allowed_token_ids: tuple[int, ...] | None = None  # sample only these tokens (vLLM)
 
     def with_room(self, max_new_tokens: int, json_schema: dict[str, Any] | None = None) -> Sampling:
-        return Sampling(max_new_tokens, self.temperature, self.top_p, self.seed,
-                        json_schema if json_schema is not None else self.json_schema)
+        return replace(self, max_new_tokens=max_new_tokens,
+                       json_schema=json_schema if json_schema is not None else self.json_schema)
 
 
 class EngineDead(RuntimeError):

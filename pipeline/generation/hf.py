@@ -207,8 +207,8 @@ class TransformersEngine:
     # --- the Engine protocol ----------------------------------------------------------------
 
     def submit(self, prompt_token_ids: list[int], sampling: Sampling) -> str:
-        if sampling.json_schema is not None:
-            raise ValueError("structured outputs need engine.backend: vllm")
+        if sampling.json_schema is not None or sampling.allowed_token_ids is not None:
+            raise ValueError("structured outputs and allowed_token_ids need engine.backend: vllm")
         if len(prompt_token_ids) + sampling.max_new_tokens > self.max_model_len:
             raise ValueError(f"prompt of {len(prompt_token_ids)} tokens + {sampling.max_new_tokens} new is longer "
                              f"than the model's context ({self.max_model_len})")

@@ -447,6 +447,7 @@ class VLLMEngine:
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             seed=sampling.seed,
+            allowed_token_ids=None if sampling.allowed_token_ids is None else list(sampling.allowed_token_ids),
             structured_outputs=None if sampling.json_schema is None else StructuredOutputsParams(
                 json=sampling.json_schema, disable_any_whitespace=True
             ),

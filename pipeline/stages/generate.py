@@ -25,6 +25,9 @@ outputs to the job's JSON Schema. Each output is parsed and validated; the
 rows that fail are retried once with more room (max tokens cutting the JSON
 off is the usual cause), and a row that fails again gets status
 `invalid_output` with its text kept in `raw_output`.
+
+A summary or annotation that is empty or only whitespace is not a success: the row
+gets status `empty_output`, its text kept, and `error` says so.
 """
 
 from __future__ import annotations
@@ -150,6 +153,12 @@ def make_policy(settings: GenerateSettings, engine: Engine, learned: dict[str, i
                 initial_budget_tokens=start,
             )
     raise TypeError(f"unknown batch policy {settings.policy!r}")
+
+
+def empty_output(what: str, c: Completion) -> str:
+    """The `error` of a row whose output is empty or only whitespace."""
+    return (f"the {what} is empty or only whitespace ({c.output_tokens} tokens, finish reason "
+            f"{c.finish_reason or 'unknown'}); the model wrote nothing usable")
 
 
 class GenerateStage:
@@ -314,10 +323,12 @@ class GenerateStage:
 
         def record_completion(i: int, c: Completion) -> None:
             latency[i], output_tokens[i] = c.latency_s, c.output_tokens
-            if c.error is None:
-                summary[i] = c.text
-            else:
+            if c.error is not None:
                 status[i], error[i] = Status.ERROR.value, c.error
+                return
+            summary[i] = c.text
+            if schema.is_empty(c.text):
+                status[i], error[i] = Status.EMPTY_OUTPUT.value, empty_output("summary", c)
 
         # 1. Whole documents, one engine call per bucket.
         whole = [i for i in range(n) if status[i] == Status.OK and chunk_texts[i] is None]
@@ -337,6 +348,8 @@ class GenerateStage:
                 latency[i] = (latency[i] or 0.0) + c.latency_s
                 if c.error is not None:
                     status[i], error[i] = Status.ERROR.value, f"annotations: {c.error}"
+                elif value is None and schema.is_empty(c.text):
+                    status[i], error[i], raw[i] = Status.EMPTY_OUTPUT.value, empty_output("annotation", c), c.text
                 elif value is None:
                     status[i], error[i], raw[i] = Status.INVALID_OUTPUT.value, invalid, c.text
                 else:

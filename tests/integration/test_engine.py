@@ -73,3 +73,36 @@ def test_a_rejected_prompt_does_not_fail_its_neighbours(engine):
     assert "maximum context length" in out[1].error
     assert stats["rejected"] == 1
     assert engine.kv_cache_tokens and engine.max_model_len == 512
+
+
+def test_a_run_whose_engine_writes_only_whitespace_reports_empty_output(engine, tiny_model):
+    """Real vLLM, allowed to sample nothing but "\\n": the rows come out `empty_output`,
+    with their text, and the report's counts say so (the sink's block stats feed it)."""
+    from dataclasses import replace
+
+    import pyarrow as pa
+    from transformers import AutoTokenizer
+
+    from pipeline.config import load_run_config
+    from pipeline.plan import generate_settings, prepare_settings
+    from pipeline.sink import _block_stats
+    from pipeline.stages.generate import GenerateStage
+    from pipeline.stages.prepare import PrepareStage
+    from tests.conftest import REPO
+
+    newline = AutoTokenizer.from_pretrained(tiny_model).convert_tokens_to_ids("Ċ")  # byte-level BPE's "\n"
+    config = load_run_config(REPO / "jobs/nightly_summarize.yaml", REPO / "conf/local.yaml",
+                             ["batching.learned_limits=null", "sampling.max_new_tokens=6"])
+    prepare = PrepareStage(prepare_settings(config, str(tiny_model), 512))
+    settings = generate_settings(config, prepare.settings, "run1")
+    generate = GenerateStage(settings, engine=engine)
+    corpus = pa.table({"id": ["a", "b", "c"], "text": ["One note.", "Another note, longer.", "A third."],
+                       "source": ["email"] * 3})
+    normal = generate(prepare(corpus)).column("status").to_pylist()
+    assert normal == ["ok"] * 3  # the tiny model writes words
+    generate.sampling = replace(generate.sampling, allowed_token_ids=(newline,))
+    out = generate(prepare(corpus))
+    assert out.column("summary").to_pylist() == ["\n" * 6] * 3
+    assert out.column("status").to_pylist() == ["empty_output"] * 3
+    assert all("empty or only whitespace (6 tokens" in e for e in out.column("error").to_pylist())
+    assert _block_stats(out)["status"] == {"empty_output": 3}

@@ -1,6 +1,7 @@
 """The offline stand-ins are deterministic and shaped like what they stand in for."""
 
 import numpy as np
+import pytest
 import pyarrow.parquet as pq
 
 from pipeline.dev.corpus import document_lengths, make_corpus, write_corpus
@@ -52,3 +53,25 @@ def test_lengths_are_heavy_tailed():
     outliers = np.mean(lengths >= 10 * 90)
     assert 0.008 < outliers < 0.02  # ~1% planted, plus the log-normal's own tail
     assert lengths.max() <= 50 * 90 * 1.1
+
+
+@pytest.mark.parametrize("kind", ["llama", "bart"])
+def test_the_tiny_models_write_words_to_the_token_limit_not_whitespace(tmp_path, kind):
+    """Random weights decode greedily to one token forever; it was "\\n", so every summary was
+    blank. With the blank tokens' logits pinned at 0, greedy decoding writes text, and never
+    picks EOS, so every row runs to max_new_tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
+
+    out = build_tiny_model(tmp_path / kind, seed=0, kind=kind, **({"max_position_embeddings": 512} if kind == "bart"
+                                                                  else {}))
+    tok = AutoTokenizer.from_pretrained(out)
+    model = (AutoModelForCausalLM if kind == "llama" else AutoModelForSeq2SeqLM).from_pretrained(out)
+    for text in ["Ka lo mi ten sa ro vi del.", "x", "Tor al be qu in es ar on ma ne li ta co ra."]:
+        ids = tok(text, return_tensors="pt").input_ids
+        with torch.no_grad():
+            new = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id)
+        new = new[0, ids.shape[1]:] if kind == "llama" else new[0, 1:]
+        assert len(new) == 12 and tok.eos_token_id not in new.tolist()
+        text = tok.decode(new, skip_special_tokens=True)
+        assert text.strip() and "\ufffd" not in text  # words, not a lone byte of a character

@@ -124,3 +124,43 @@ def test_the_stage_needs_only_its_own_settings_no_yaml(tiny_model):
                                                                            "text": ["x", "y", "z"]})))
     assert out.column("summary").to_pylist() == ["done"] * 3 and engine.max_seen <= 2
     assert out.column("model").to_pylist() == ["tiny"] * 3 and out.column("run_id").to_pylist() == ["r"] * 3
+
+
+def test_whitespace_only_output_is_empty_output_not_ok(tiny_model):
+    """A summary of newlines (the old tiny model wrote nothing else), or an annotation of
+    spaces, is a row that failed: its own status, its text kept, the error saying why."""
+    blank = {"a": "\n\n\n", "b": " \t ", "c": "a summary"}
+    engine = FakeEngine(reply=lambda ids, s: "  \n " if s.json_schema is not None else blank[row_of(ids)])
+    prepare, generate = stages(tiny_model, "jobs/kb_ingest.yaml", [], engine)
+    prepared = prepare(CORPUS)
+    by_ids = {tuple(ids): row for ids, row in zip(prepared.column(schema.PROMPT_TOKEN_IDS).to_pylist(), "abc")}
+
+    def row_of(ids):
+        return by_ids[tuple(ids)]
+
+    rows = {r["id"]: r for r in generate(prepared).to_pylist()}
+    assert [rows[k]["status"] for k in "abc"] == ["empty_output"] * 3
+    assert rows["a"]["summary"] == "\n\n\n" and "summary is empty or only whitespace" in rows["a"]["error"]
+    # c's summary is fine; its annotation (retried once with more room) is blanks, kept raw.
+    assert rows["c"]["summary"] == "a summary" and rows["c"]["raw_output"] == "  \n "
+    assert rows["c"]["error"].startswith("the annotation is empty or only whitespace")
+
+
+def test_fail_on_error_rate_counts_empty_output_as_failed(monkeypatch):
+    from click.testing import CliRunner
+
+    from pipeline import runner
+    from pipeline.cli import EXIT_ERROR_RATE, main
+
+    class Report:
+        def to_json(self):
+            return {"job": "j", "run_id": "r", "buckets": {}, "status": {"ok": 8, "empty_output": 2}, "rows_in": 10,
+                    "rows_out": 10, "tokens": {"prompt": 1, "output": 1}, "wall_s": 1.0, "output_tokens_per_s": 1.0,
+                    "output": "out", "report_path": "out/_report.json"}
+
+    monkeypatch.setattr(runner, "run_job", lambda *a, **k: Report())
+    args = ["run", str(REPO / "jobs/nightly_summarize.yaml"), "--profile", str(REPO / "conf/local.yaml")]
+    r = CliRunner().invoke(main, [*args, "--fail-on-error-rate", "0.1"])
+    assert r.exit_code == EXIT_ERROR_RATE and "2 of 10 rows ended in empty_output (20.00%)" in r.output
+    assert "empty_output 2" in r.output  # the run's table counts them
+    assert CliRunner().invoke(main, [*args, "--fail-on-error-rate", "0.2"]).exit_code == 0

@@ -22,7 +22,7 @@ def test_output_schema_order_and_types():
 
 
 def test_status_values():
-    assert [s.value for s in Status] == ["ok", "error", "skipped_too_long", "invalid_output"]
+    assert [s.value for s in Status] == ["ok", "error", "skipped_too_long", "invalid_output", "empty_output"]
 
 
 @pytest.mark.parametrize("clash", ["summary", "status", "_secret"])
