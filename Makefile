@@ -11,6 +11,10 @@ EXTRA   ?= $(if $(shell command -v nvidia-smi 2>/dev/null),gpu,cpu)
 STAMP   := $(VENV)/.setup-$(EXTRA)
 CONSTRAINTS := $(wildcard constraints/$(EXTRA).txt)
 
+# What the pipeline builds for itself (the tiny model of `model.name: tiny`) stays in this
+# checkout, where `make clean` finds it; elsewhere it defaults to ~/.cache/llm-corpus-pipeline.
+export PIPELINE_CACHE_DIR ?= $(CURDIR)/.cache
+
 ROWS    ?= 1000
 CORPUS  := data/sample/corpus-$(ROWS).parquet
 JOB     ?= jobs/nightly_summarize.yaml

@@ -41,7 +41,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/metrics_cost.json")
     args = ap.parse_args()
 
-    from pipeline.dev.tiny_model import ensure_tiny_model
+    from pipeline.model_source import resolve_model
     from pipeline.generation.engine import Sampling
     from pipeline.generation.feeder import EngineFeeder
     from pipeline.generation.policy import FixedBatchPolicy
@@ -51,7 +51,7 @@ def main() -> None:
     from pipeline.metrics import SNAPSHOT_INTERVAL_S, EngineMeter, RunMetrics
     from pipeline.plan import vllm_settings
 
-    model = str(ensure_tiny_model(Path(".cache/tiny-model"), seed=0).resolve())
+    model = resolve_model("tiny").path  # built in the pipeline's cache on first use
     engine = VLLMEngine(vllm_settings(model, EngineConfig(max_model_len=2048, gpu_memory_utilization=0.2, enforce_eager=True), seed=0))
     feeder = EngineFeeder(engine, FixedBatchPolicy(32))
     sampling = Sampling(max_new_tokens=32, temperature=0.0, seed=0)

@@ -82,6 +82,7 @@ from typing import Any
 import psutil
 
 from pipeline.machine import describe
+from pipeline.ownership import MARK, NotOurs, OwnedFile, json_mark
 
 REPO = Path(__file__).resolve().parents[1]
 JOB = "jobs/nightly_summarize.yaml"
@@ -770,7 +771,9 @@ def bench(rows: int, repeats: int, fixed: list[int], out: Path, scaling: list[in
     config = load_run_config(REPO / JOB, REPO / PROFILE)
     try:
         chosen = choose_systems(fixed, systems)
-    except ValueError as e:
+        for path, owned in result_files(out).items():  # before minutes of runs
+            owned.check(path)
+    except (ValueError, NotOurs) as e:
         raise click.UsageError(str(e)) from e
     runs: list[dict[str, Any]] = []
     scale: list[dict[str, Any]] = []
@@ -802,10 +805,26 @@ def bench(rows: int, repeats: int, fixed: list[int], out: Path, scaling: list[in
         "systems": table, "goals": goal_verdicts(table, rows), "pool_speedup": pool_speedup(table),
         "runs": runs, "scaling": scale,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=2))
-    out.with_suffix(".md").write_text(markdown(result))
+    data = {out.with_suffix(".md"): markdown(result).encode(),  # first: it is ours by the JSON beside it
+            out.with_suffix(".json"): json.dumps({"written_by": MARK, **result}, indent=2).encode()}
+    for path, owned in result_files(out).items():
+        owned.write(path, data[path])
     return result
+
+
+def _is_result(path: Path) -> bool:
+    """A JSON result of `pipeline bench`: marked, or (from before the mark) of its shape."""
+    mark = json_mark(path.read_bytes()) if path.is_file() else None
+    return mark is not None and (mark.get("written_by") == MARK or {"systems", "goals", "machine"} <= set(mark))
+
+
+def result_files(out: Path) -> dict[Path, OwnedFile]:
+    """OUT.json and OUT.md, each replaced only if `pipeline bench` wrote it: the JSON by its
+    mark, the Markdown by the JSON result beside it."""
+    instead = "Choose another --out."
+    json_path = out.with_suffix(".json")
+    return {out.with_suffix(".md"): OwnedFile("a `pipeline bench` table", lambda _p: _is_result(json_path), instead),
+            json_path: OwnedFile("a `pipeline bench` result", _is_result, instead)}
 
 
 def _main(argv: list[str]) -> None:

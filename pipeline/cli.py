@@ -17,6 +17,7 @@ from rich.table import Table
 
 from pipeline.config import ConfigDeprecationWarning, ConfigError, RunConfig, load_run_config
 from pipeline.inputs import InputError
+from pipeline.ownership import NotOurs
 from pipeline.schema import FAILED_STATUSES
 
 console = Console(stderr=True)
@@ -186,6 +187,7 @@ def run(job: Path, profile: Path, input_path: str | None, output_path: str | Non
     """
     from pipeline.lease import OutputBusy
     from pipeline.metrics import Watch
+    from pipeline.model_source import ModelError
     from pipeline.output import OutputError, PublishError
     from pipeline.runner import RunStopped, run_job
 
@@ -203,7 +205,7 @@ def run(job: Path, profile: Path, input_path: str | None, output_path: str | Non
                       verbose=verbose)
         report = run_job(config, stopped="resume" if resume else "restart" if restart else "refuse",
                          watch=watch).to_json()
-    except (ConfigError, InputError, OutputError, OutputBusy) as e:
+    except (ConfigError, InputError, OutputError, OutputBusy, ModelError, NotOurs) as e:
         _fail(EXIT_BAD_CONFIG, str(e))
     except (PublishError, RunStopped) as e:  # its rows wait in its staging
         _fail(EXIT_FAILED, str(e))
@@ -251,6 +253,7 @@ def tune(job: Path, profile: Path, input_path: str | None, sample: int, buckets:
     and sweep.csv, sweep.json, sweep.png and profile.yaml (use it with
     `pipeline run --profile`) in --out.
     """
+    from pipeline.model_source import ModelError
     from pipeline.tune.job import tune_job
     from pipeline.tune.outputs import choice_lines, sweep_table
 
@@ -266,7 +269,7 @@ def tune(job: Path, profile: Path, input_path: str | None, sample: int, buckets:
         config = load_config(job, profile, overrides, input_path, None, date=date)
         results, info = tune_job(config, out_dir, sample, buckets, max_batch, slo, on_point=on_point,
                                  on_stage=lambda msg: out.print(f"[dim]{msg}[/dim]"))
-    except (ConfigError, InputError) as e:
+    except (ConfigError, InputError, ModelError, NotOurs) as e:
         _fail(EXIT_BAD_CONFIG, str(e))
     except KeyboardInterrupt:
         _fail(EXIT_FAILED, "interrupted")
@@ -362,26 +365,40 @@ def dev() -> None:
 
 
 @dev.command("tiny-model")
-@click.argument("out", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("out", type=click.Path(path_type=Path))
 @click.option("--seed", default=0, show_default=True, help="Same seed, same files.")
-def tiny_model(out: Path, seed: int) -> None:
-    """Build a random-weight Llama (2 layers, head_dim 64) and its BPE tokenizer into OUT."""
-    from pipeline.dev.tiny_model import build_tiny_model, fingerprint
+@click.option("--kind", type=click.Choice(["llama", "bart"]), default="llama", show_default=True,
+              help="llama: decoder-only, for vLLM; bart: encoder-decoder, for the transformers engine.")
+def tiny_model(out: Path, seed: int, kind: str) -> None:
+    """Build a random-weight model (Llama: 2 layers, head_dim 64) and its BPE tokenizer into OUT.
 
-    build_tiny_model(out, seed=seed)
+    OUT must not exist, be empty, or hold this tiny model already (then nothing is
+    done); anything else is refused (exit 2) and left as it is. `model.name: tiny`
+    in a profile builds it into the pipeline's cache instead.
+    """
+    from pipeline.dev.tiny_model import ensure_tiny_model, fingerprint
+
+    try:
+        ensure_tiny_model(out, seed=seed, kind=kind, instead="Choose a new or empty folder.")
+    except NotOurs as e:
+        _fail(EXIT_BAD_CONFIG, str(e))
     click.echo(f"{out}  sha256 {fingerprint(out)[:16]}")
 
 
 @dev.command("sample-corpus")
-@click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("out", type=click.Path(path_type=Path))
 @click.option("--rows", default=1000, show_default=True, help="Rows to write.")
 @click.option("--seed", default=0, show_default=True, help="Same seed, same file.")
 def sample_corpus(out: Path, rows: int, seed: int) -> None:
     """Write a synthetic Parquet corpus to OUT: log-normal lengths, ~1% outliers 10-50x longer.
 
-    Columns: id, text, and source (a passthrough column).
+    Columns: id, text, and source (a passthrough column). An existing OUT is replaced
+    only if it is a sample corpus this command wrote; anything else is refused (exit 2).
     """
     from pipeline.dev.corpus import write_corpus
 
-    write_corpus(out, rows=rows, seed=seed)
+    try:
+        write_corpus(out, rows=rows, seed=seed)
+    except NotOurs as e:
+        _fail(EXIT_BAD_CONFIG, str(e))
     click.echo(f"{out}  {rows} rows")

@@ -33,6 +33,7 @@ from typing import Any
 from pipeline.generation.engine import Sampling
 from pipeline.generation.feeder import EngineFeeder
 from pipeline.generation.policy import BatchSizeController, ControllerSettings, static_batch_settings
+from pipeline.ownership import MARK, NotOurs, OwnedFile, marked_json, png_software
 
 BOUNDARIES = (128, 256, 512, 1024, 2048, 4096)
 BAND = (0.85, 0.95)
@@ -151,6 +152,11 @@ def build_model(params_b: float = 1.0, vocab: int = 32000, seed: int = 0) -> tup
     return model, tokenizer
 
 
+# What the check writes, only where nothing is or it wrote before (`pipeline.ownership`).
+RESULT = OwnedFile("a GPU check result", marked_json, "Choose another --out.")
+PLOT = OwnedFile("a GPU check plot", lambda p: png_software(p) == MARK, "Choose another PNG path.")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pipeline.gpucheck", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="gpucheck.json")
@@ -160,9 +166,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--plot", nargs=2, metavar=("RESULT", "PNG"), help="draw a result (needs matplotlib)")
     args = ap.parse_args(argv)
-    if args.plot:
-        plot(json.loads(open(args.plot[0]).read()), args.plot[1])
-        return 0
+    try:
+        if args.plot:
+            PLOT.check(args.plot[1])
+            plot(json.loads(open(args.plot[0]).read()), args.plot[1])
+            return 0
+        RESULT.check(args.out)  # before minutes on the GPU
+    except NotOurs as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
     import torch
     import transformers
@@ -200,9 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         "token_bytes": engine.token_bytes, "capacity_tokens": engine.kv_cache_tokens,
         "padding": engine.padding.to_json(), "wall_s": round(time.monotonic() - started, 1),
     })
-    text = json.dumps(result, indent=2, default=str)
-    with open(args.out, "w") as f:
-        f.write(text + "\n")
+    RESULT.write(args.out, (json.dumps({"written_by": MARK, **result}, indent=2, default=str) + "\n").encode())
     print(json.dumps({k: result[k] for k in ("ok", "device", "rows_in", "rows_done", "buckets_in_band",
                                              "buckets_judged", "ooms_caught", "wall_s")}))
     return 0 if result["ok"] else 1
@@ -236,7 +246,7 @@ def plot(result: dict[str, Any], png: str) -> None:
     fig.suptitle(f"{result.get('device', 'GPU')}: batches grow to the memory target; "
                  f"{result['ooms_caught']} out-of-memory caught, {result['rows_done']}/{result['rows_in']} rows")
     fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    fig.savefig(png, dpi=110, metadata={"Software": MARK})
 
 
 if __name__ == "__main__":

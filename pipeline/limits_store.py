@@ -3,7 +3,15 @@
 The file holds one set of limits and the key it is valid for: model,
 hardware, max_model_len and dtype. A file for another key, an unreadable one
 or one older than `max_age_days` is ignored with a warning; the run then
-learns afresh and overwrites it.
+learns afresh and replaces it.
+
+The path is the profile's to choose, so the file carries a mark (`written_by`), and
+only a file with it (or one of the shape this module always wrote) is ever replaced.
+A path that holds anything else stops the run before Ray starts (exit 2): it is a
+setting pointing at the wrong file (a profile, a result), and a run that went on
+without its limits would start cold every night behind a warning nobody reads. If
+the file changes hands during the run, the save is skipped with a warning in the
+report, and the file is left alone.
 """
 
 from __future__ import annotations
@@ -16,10 +24,24 @@ from typing import Any
 
 import yaml
 
-from pipeline.fs import replace_local
 from pipeline.machine import cpu_name
+from pipeline.ownership import MARK, OwnedFile
 
 log = logging.getLogger(__name__)
+
+
+def _is_limits_file(path: Path) -> bool:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return False
+    return isinstance(data, dict) and (data.get("written_by") == MARK or {"key", "limits", "saved_at"} <= set(data))
+
+
+LIMITS_FILE = OwnedFile(
+    "a learned-limits file", _is_limits_file,
+    "Point batching.learned_limits at a new file (or one this pipeline wrote), or set it to null.",
+)
 
 
 def hardware_id(accelerator: str) -> str:
@@ -62,12 +84,11 @@ def load_limits(path: str | None, key: dict[str, Any], max_age_days: float) -> d
 
 
 def save_limits(path: str, key: dict[str, Any], limits: dict[str, int]) -> None:
-    """Replace the file whole. Every run writes its own temporary file (runs of one profile
-    may finish together), and the last rename wins."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    text = yaml.safe_dump({"key": key, "saved_at": time.time(), "limits": dict(sorted(limits.items()))})
-    replace_local(str(target), text.encode())
+    """Replace the file whole, if it is ours (`NotOurs` otherwise). Every run writes its own
+    temporary file (runs of one profile may finish together), and the last rename wins."""
+    text = yaml.safe_dump({"written_by": MARK, "key": key, "saved_at": time.time(),
+                           "limits": dict(sorted(limits.items()))})
+    LIMITS_FILE.write(path, text.encode())
 
 
 def merge_limits(per_actor: list[dict[str, int]]) -> dict[str, int]:

@@ -29,13 +29,12 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any, Literal
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline import limits_store, schema
+from pipeline import limits_store, model_source, schema
 from pipeline.bucketing import LengthBucketer, window_order
 from pipeline.commits import key_columns, row_keys, without
 from pipeline.config import AdaptivePolicy, RunConfig
@@ -62,15 +61,10 @@ def new_run_id() -> str:
 
 
 def resolve_model(config: RunConfig) -> str:
-    """The model to load: a local folder made absolute (built first if it is the tiny
-    model), or a hub id left as it is."""
+    """What the engine loads for `model.name`: your folder (checked, only ever read), the
+    tiny model in the cache (built there on first use), or a hub id (`pipeline.model_source`)."""
     model = config.profile.model
-    if model.tiny_model_seed is not None:
-        from pipeline.dev.tiny_model import ensure_tiny_model
-
-        return str(ensure_tiny_model(Path(model.name), seed=model.tiny_model_seed).resolve())
-    local = Path(model.name)
-    return str(local.resolve()) if local.exists() else model.name
+    return model_source.resolve_model(model.name, model.tiny_model_seed).path
 
 
 def job_inputs(config: RunConfig) -> Any:
@@ -213,8 +207,13 @@ def _run(config: RunConfig, run_id: str, stopped: Literal["refuse", "resume", "r
     started = time.monotonic()
     job = config.job
 
-    # 1. Checks that need no model and no cluster.
+    # 1. Checks that need no cluster: the input, the model (the tiny one built if asked
+    # for), and every path the run will write besides its output.
     inputs = job_inputs(config)
+    model_path = resolve_model(config)
+    learned = config.profile.batching.learned_limits
+    if learned and isinstance(config.profile.batching.policy, AdaptivePolicy):
+        limits_store.LIMITS_FILE.check(learned)
     annotation_fields = job.annotations.fields() if job.annotations else []
     try:
         out_schema = schema.output_schema(inputs.schema, job.input.id_column, job.input.text_column,
@@ -228,7 +227,8 @@ def _run(config: RunConfig, run_id: str, stopped: Literal["refuse", "resume", "r
     target.open(rows_in=inputs.rows)
     try:
         try:
-            report = _generate(config, run_id, inputs, out_schema, target, started, started_at, metrics, verbose)
+            report = _generate(config, run_id, model_path, inputs, out_schema, target, started, started_at, metrics,
+                               verbose)
         except PublishError:
             raise  # every row is written: the staging holds the complete output, and stays
         except BaseException as e:
@@ -245,8 +245,9 @@ def _run(config: RunConfig, run_id: str, stopped: Literal["refuse", "resume", "r
     return report
 
 
-def _generate(config: RunConfig, run_id: str, inputs: Any, out_schema: pa.Schema, target: OutputTarget,
-              started: float, started_at: str, metrics: RunMetrics, verbose: bool = False) -> RunReport:
+def _generate(config: RunConfig, run_id: str, model_path: str, inputs: Any, out_schema: pa.Schema,
+              target: OutputTarget, started: float, started_at: str, metrics: RunMetrics,
+              verbose: bool = False) -> RunReport:
     """Steps 3 and 4: generate every row into the staging, then the report beside them."""
     from ray.data import ActorPoolStrategy
 
@@ -254,7 +255,6 @@ def _generate(config: RunConfig, run_id: str, inputs: Any, out_schema: pa.Schema
     from pipeline.stages.generate import GenerateStage
 
     job, profile = config.job, config.profile
-    model_path = resolve_model(config)
     max_model_len = context_limit(model_path, profile.engine.max_model_len)
     bucketer = LengthBucketer(profile.bucketing.boundaries)
     limits_key = limits_store.limits_key(

@@ -1,16 +1,24 @@
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
 
-from pipeline.dev.tiny_model import ensure_tiny_model
+from pipeline.dev.tiny_model import cached_tiny_model, ensure_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 
+# The pipeline's cache (where `model.name: tiny` is built) is the session's own: tests never
+# write into the user's, and every process they start inherits it.
+_CACHE = tempfile.TemporaryDirectory(prefix="pipeline-test-cache-")
+os.environ["PIPELINE_CACHE_DIR"] = _CACHE.name
+
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory) -> Path:
-    """The offline test model, built once per session (a few seconds)."""
-    return ensure_tiny_model(tmp_path_factory.mktemp("models") / "tiny", seed=0)
+def tiny_model() -> Path:
+    """The offline test model, built once per session (a few seconds) where `model.name: tiny`
+    finds it, so runs that name it and runs given this path share one build."""
+    return ensure_tiny_model(cached_tiny_model("tiny"), seed=0)
 
 
 def drawn(png: bytes) -> tuple[int, int, float]:

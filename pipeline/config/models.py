@@ -209,10 +209,15 @@ class JobConfig(_Section):
 
 
 class ModelConfig(_Section):
-    name: str = Field(description="Hugging Face model id or local folder.")
+    name: str = Field(
+        description="A local model folder (yours: only ever read, and checked before Ray starts), a Hugging Face "
+        "model id, or `tiny` (`tiny-bart`): the offline tiny random model, built in the pipeline's cache "
+        "($PIPELINE_CACHE_DIR) on first use. A folder named tiny is ./tiny."
+    )
     tiny_model_seed: int | None = Field(
         None,
-        description="Offline default: build the tiny random Llama at `name` with this seed if it is missing.",
+        description="The tiny model's seed (default 0). Set with a folder in `name` (the old spelling), the tiny "
+        "model is built there only if the folder is absent, empty or already holds it; anything else stops the run.",
     )
 
 

@@ -9,11 +9,14 @@ generator) compresses it the way a real tokenizer compresses prose.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from pipeline.ownership import MARK, OwnedFile, json_mark
 
 _SYLLABLES = (
     "ka lo mi ten sa ro vi del an or pe ut ri mo na sel tor al be qu "
@@ -84,11 +87,28 @@ def make_corpus(rows: int, seed: int = 0, median_words: int = 90) -> pa.Table:
     )
 
 
+def _is_sample_corpus(path: Path) -> bool:
+    try:
+        metadata = pq.read_metadata(path).metadata or {}
+    except (OSError, pa.ArrowException):
+        return False
+    return json_mark(metadata.get(CORPUS_KEY, b"")) is not None
+
+
+CORPUS_KEY = b"llm_corpus_pipeline"  # the Parquet key-value metadata that marks our corpus
+SAMPLE_CORPUS = OwnedFile("a sample corpus written by `pipeline dev sample-corpus`", _is_sample_corpus,
+                          "Choose another file name.")
+
+
 def write_corpus(out: Path, rows: int, seed: int = 0) -> Path:
-    """Write the corpus to `out` (a .parquet file) and return its path."""
-    out.parent.mkdir(parents=True, exist_ok=True)
+    """Write the corpus to `out` (a .parquet file) and return its path. An existing file is
+    replaced only if it is a corpus written here (`NotOurs` otherwise)."""
+    table = make_corpus(rows, seed)
+    table = table.replace_schema_metadata({CORPUS_KEY: json.dumps({"written_by": MARK, "rows": rows, "seed": seed})})
+    sink = pa.BufferOutputStream()
     # Fixed row groups and no timestamps in metadata: same seed, same bytes.
-    pq.write_table(make_corpus(rows, seed), out, row_group_size=1024, store_schema=True)
+    pq.write_table(table, sink, row_group_size=1024, store_schema=True)
+    SAMPLE_CORPUS.write(out, sink.getvalue().to_pybytes())
     return out
 
 

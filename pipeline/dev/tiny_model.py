@@ -11,8 +11,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
+import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from pipeline.ownership import MARK, NotOurs, entries, json_mark, shown
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
@@ -131,12 +136,110 @@ def fingerprint(model_dir: Path) -> str:
     return digest.hexdigest()
 
 
-def ensure_tiny_model(out: Path, seed: int = 0, kind: str = "llama") -> Path:
-    """Build the model into `out` unless a complete copy for `seed` (and `kind`) is there."""
-    marker = out / "tiny_model.json"
-    if marker.exists() and json.loads(marker.read_text()) == ({"seed": seed} if kind == "llama"
-                                                             else {"seed": seed, "kind": kind}):
+MARKER = "tiny_model.json"
+# The names `model.name` may take to ask for a tiny model, and the kind each builds.
+TINY_MODELS = {"tiny": "llama", "tiny-bart": "bart"}
+# The recipe's version, in the marker: 2 zeroed the blank tokens (`blank_tokens`). A folder
+# of an older build is ours, and is rebuilt in place.
+BUILD = 2
+# What builds before the marker listed its files wrote (and so may be replaced).
+OLD_BUILD_FILES = {"chat_template.jinja", "config.json", "generation_config.json", "model.safetensors",
+                   "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", MARKER}
+
+
+def cache_dir() -> Path:
+    """Where the pipeline keeps what it builds for itself: $PIPELINE_CACHE_DIR, else
+    $XDG_CACHE_HOME/llm-corpus-pipeline, else ~/.cache/llm-corpus-pipeline."""
+    if os.environ.get("PIPELINE_CACHE_DIR"):
+        return Path(os.environ["PIPELINE_CACHE_DIR"]).expanduser().absolute()
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser()
+    return (base / "llm-corpus-pipeline").absolute()
+
+
+def cached_tiny_model(name: str, seed: int = 0) -> Path:
+    """The cache folder of the tiny model `name` (a key of TINY_MODELS) with `seed`."""
+    return cache_dir() / "models" / f"{name}-{TINY_MODELS[name]}-seed{seed}"
+
+
+def _marker(seed: int, kind: str, folder: Path) -> dict[str, Any]:
+    files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
+    return {"written_by": MARK, "what": "tiny random model", "build": BUILD, "seed": seed, "kind": kind,
+            "files": files}
+
+
+def _read_marker(folder: Path) -> dict[str, Any] | None:
+    """Our marker in `folder`, new or old (`{"seed": N}`, `{"seed": N, "kind": K}`), or None."""
+    path = folder / MARKER
+    mark = json_mark(path.read_bytes()) if path.is_file() else None
+    if mark is None:
+        return None
+    if mark.get("written_by") == MARK and isinstance(mark.get("files"), dict):
+        return {"build": 0, **mark}
+    if set(mark) in ({"seed"}, {"seed", "kind"}) and isinstance(mark["seed"], int):
+        return {"seed": mark["seed"], "kind": mark.get("kind", "llama"), "files": None, "build": 1}
+    return None
+
+
+def tiny_model_state(out: Path, seed: int = 0, kind: str = "llama",
+                     instead: str = "") -> Literal["ready", "free", "stale"]:
+    """ready: `out` holds the tiny model of this seed and kind; free: nothing is there (or
+    an empty folder); stale: an older build of it, every file ours, to be rebuilt. `NotOurs`,
+    naming what is there, for anything else."""
+    def refuse(why: str) -> NotOurs:
+        return NotOurs(f"{out} {why}. Nothing was changed. {instead}".rstrip())
+
+    if not out.exists():
+        return "free"
+    if not out.is_dir():
+        raise refuse("is a file, not the tiny model's folder")
+    found = entries(out)
+    if not found:
+        return "free"
+    mark = _read_marker(out)
+    if mark is None:
+        raise refuse(f"is not a folder of the tiny random model: it holds {shown(found)}, and no {MARKER} "
+                     "of this pipeline's")
+    if (mark["seed"], mark["kind"]) != (seed, kind):
+        raise refuse(f"holds the tiny {mark['kind']} model for seed {mark['seed']}, not the {kind} model for "
+                     f"seed {seed}")
+    if mark["files"] is None:
+        foreign = [n for n in found if n not in OLD_BUILD_FILES]
+        if foreign:
+            raise refuse(f"holds an older build of the tiny model, and files it never wrote: {shown(foreign)}")
+        return "stale"
+    sizes = {p.name: p.stat().st_size for p in out.iterdir() if p.is_file() and p.name != MARKER}
+    changed = sorted(set(sizes) ^ set(mark["files"]) | {n for n in sizes if sizes[n] != mark["files"].get(n)})
+    changed += [n for n in found if n.endswith("/")]
+    if changed:
+        raise refuse(f"holds the tiny model's {MARKER}, but not the files it lists: {shown(changed)} differ")
+    return "ready" if mark["build"] == BUILD else "stale"
+
+
+def ensure_tiny_model(out: Path, seed: int = 0, kind: str = "llama", instead: str = "") -> Path:
+    """The tiny model at `out`, built there first if `out` does not exist, is an empty folder
+    or holds an older build of it. A folder that holds anything else (by its marker, which
+    lists every file) raises `NotOurs` and is left as it is. The model is built beside `out`
+    and renamed into place, so `out` never holds half a model."""
+    out = Path(out)
+    state = tiny_model_state(out, seed, kind, instead)
+    if state == "ready":
         return out
-    build_tiny_model(out, seed=seed, kind=kind, **({"max_position_embeddings": 4096} if kind == "bart" else {}))
-    marker.write_text(json.dumps({"seed": seed} if kind == "llama" else {"seed": seed, "kind": kind}))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    building = out.parent / f".{out.name}.building-{uuid.uuid4().hex[:8]}"
+    replaced = out.parent / f".{out.name}.replaced-{uuid.uuid4().hex[:8]}"
+    try:
+        build_tiny_model(building, seed=seed, kind=kind,
+                         **({"max_position_embeddings": 4096} if kind == "bart" else {}))
+        (building / MARKER).write_text(json.dumps(_marker(seed, kind, building), indent=1))
+        if state == "stale":
+            os.rename(out, replaced)  # every file in it is ours (tiny_model_state checked)
+        try:
+            os.rename(building, out)  # onto nothing, or onto an empty folder
+        except OSError:
+            if tiny_model_state(out, seed, kind, instead) != "ready":  # another build finished first: use it
+                raise
+    finally:
+        for ours in (building, replaced):  # a half-built or surplus copy; the older build
+            if ours.exists():
+                shutil.rmtree(ours)
     return out

@@ -13,7 +13,7 @@ from pipeline.config import RunConfig
 from pipeline.inputs import InputError
 from pipeline.machine import describe
 from pipeline.tune.choice import SweepPoint
-from pipeline.tune.outputs import write_outputs
+from pipeline.tune.outputs import TUNE_OUT, write_outputs
 from pipeline.tune.sweep import BucketResult, collect_sample, run_sweep, tuning_engine
 
 
@@ -28,6 +28,7 @@ def tune_job(config: RunConfig, out: Path, sample: int = 64, buckets: tuple[str,
 
     say = on_stage or (lambda _msg: None)
     job, profile = config.job, config.profile
+    TUNE_OUT.check(out)  # before the sweep, and again when it writes
     names = LengthBucketer(profile.bucketing.boundaries).names
     unknown = sorted(set(buckets) - set(names))
     if unknown:

@@ -14,6 +14,7 @@ from rich import box
 from rich.table import Table
 
 from pipeline.config import RunConfig
+from pipeline.ownership import MARK, OwnedFolder, json_mark
 from pipeline.tune.plot import plot_sweep
 from pipeline.tune.sweep import BucketResult
 
@@ -78,23 +79,39 @@ def tuned_profile(config: RunConfig, results: dict[str, BucketResult]) -> dict[s
     return profile
 
 
+def _listed(data: bytes) -> set[str] | None:
+    """The files a sweep.json proves `pipeline tune` wrote: those it lists, or (written before
+    it listed them) the four it always wrote."""
+    sweep = json_mark(data)
+    if sweep is None:
+        return None
+    if sweep.get("written_by") == MARK and isinstance(sweep.get("files"), list):
+        return {str(f) for f in sweep["files"]}
+    return set(FILES.values()) if {"tuned_at", "buckets"} <= set(sweep) else None
+
+
+FILES = {"csv": "sweep.csv", "png": "sweep.png", "profile": "profile.yaml", "json": "sweep.json"}
+# `--out`: written only where nothing is, an empty folder, or an earlier tune's files.
+TUNE_OUT = OwnedFolder("pipeline tune", "sweep.json", _listed,
+                       "Choose a new or empty --out folder, or one an earlier `pipeline tune` wrote.")
+
+
 def write_outputs(out: Path, config: RunConfig, results: dict[str, BucketResult], meta: dict[str, Any]) -> dict[str, str]:
-    """Write every artifact into `out`; their paths by kind."""
-    out.mkdir(parents=True, exist_ok=True)
+    """Write every artifact into `out` (sweep.json last: it lists the others); their paths by kind."""
     target = config.profile.batching.memory_target
-    paths = {k: out / name for k, name in (("csv", "sweep.csv"), ("json", "sweep.json"),
-                                              ("png", "sweep.png"), ("profile", "profile.yaml"))}
-    paths["csv"].write_text(to_csv(results))
-    paths["json"].write_text(json.dumps(
-        {**meta, "memory_target": target, "buckets": {b: r.to_dict() for b, r in results.items()}}, indent=2))
+    files: dict[str, bytes] = {FILES["csv"]: to_csv(results).encode()}
     plotted = {b: {"points": r.points, "choice": r.choice, "memory_target": target}
                for b, r in results.items() if r.choice is not None}
     if plotted:
-        paths["png"].write_bytes(plot_sweep(plotted))
+        files[FILES["png"]] = plot_sweep(plotted)
     header = (
         f"# Written by `pipeline tune` ({meta['tuned_at']}) from {config.profile_file} and {config.job_file},\n"
         f"# on {meta['sample_rows']} sampled prompts. Per bucket: the batch size (rows in flight) it chose.\n"
         + "".join(f"#   {line}\n" for line in choice_lines(results))
     )
-    paths["profile"].write_text(header + yaml.safe_dump(tuned_profile(config, results), sort_keys=False))
-    return {k: str(p) for k, p in paths.items() if p.exists()}
+    files[FILES["profile"]] = (header + yaml.safe_dump(tuned_profile(config, results), sort_keys=False)).encode()
+    files[FILES["json"]] = json.dumps(
+        {"written_by": MARK, "files": sorted(files), **meta, "memory_target": target,
+         "buckets": {b: r.to_dict() for b, r in results.items()}}, indent=2).encode()
+    TUNE_OUT.write(out, files)
+    return {k: str(out / name) for k, name in FILES.items() if name in files}

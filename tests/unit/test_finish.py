@@ -92,7 +92,7 @@ def test_run_job_keeps_a_finished_runs_staging_and_discards_a_failed_ones(tmp_pa
                              str(corpus), str(tmp_path / "out"))
     seen = {}
 
-    def generate(config, run_id, inputs, out_schema, target, *when_and_watch):
+    def generate(config, run_id, model_path, inputs, out_schema, target, *when_and_watch):
         seen["staging"] = target.staging.root
         (tmp_path / "out").mkdir()
         (tmp_path / "out" / "late.txt").write_text("appeared mid-run")

@@ -42,7 +42,7 @@ def test_the_generation_core_imports_no_config_ray_arrow_or_stages():
 
 
 def test_io_never_imports_the_stages():
-    io = [PACKAGE / f"{name}.py" for name in ("fs", "inputs", "sink", "report", "output", "lease")]
+    io = [PACKAGE / f"{name}.py" for name in ("fs", "inputs", "sink", "report", "output", "lease", "ownership")]
     assert offenders(io, ("pipeline.stages", "pipeline.runner", "pipeline.generation")) == {}
 
 
