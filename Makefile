@@ -56,38 +56,38 @@ test-tools:
 	  echo "could not install $(PROM_PKGS): the metrics tests will say so in their skip reasons"; }
 
 # The pipeline against raw vLLM, Ray Data LLM, a pool of 2 engines and its own ablations,
-# interleaved, 3 runs each (pipeline/bench.py). Measured on 2 cores (AVX-512): about 15 minutes with
+# interleaved, 3 runs each (bench/compare.py). Measured on 2 cores (AVX-512): about 15 minutes with
 # BENCH_ARGS="--rows 4000 --scaling --system raw,ray-data-llm,pipeline,pipeline-2 --out bench/results/pool_4k";
 # 8 minutes at --rows 16000 --repeats 1 with the same systems (bench/results/pool_16k).
 bench: $(STAMP)
-	$(BIN)/pipeline bench $(BENCH_ARGS)
+	$(BIN)/python -m bench $(BENCH_ARGS)
 
 # Adaptive batch sizing against fixed sizes (8, 32, 128 rows): about 8 minutes on 2 cores.
 bench-batching: $(STAMP)
-	$(BIN)/python bench/adaptive_vs_fixed.py --rows $(ROWS)
+	$(BIN)/python -m bench.adaptive_vs_fixed --rows $(ROWS)
 
 # What a resume costs: skipping 16,000 committed rows (bench/resume_cost.py), about 3 minutes.
 bench-resume: $(STAMP)
-	$(BIN)/python bench/resume_cost.py
+	$(BIN)/python -m bench.resume_cost
 
 # What publishing 1,000 parts to an object store costs (bench/s3_publish.py, moto's S3 server): a minute.
 bench-s3: $(STAMP)
-	$(BIN)/python bench/s3_publish.py --parts 1000
+	$(BIN)/python -m bench.s3_publish --parts 1000
 
 # What the live metrics cost an engine per step, and the scrape size per engine
 # (bench/metrics_cost.py, one real engine on the tiny model): a minute.
 bench-metrics: $(STAMP)
-	$(BIN)/python bench/metrics_cost.py
+	$(BIN)/python -m bench.metrics_cost
 
 # The transformers engine with buckets and without, and vLLM, on the sample corpus
 # (bench/transformers_engine.py): about 6 minutes on 2 cores.
 bench-transformers: $(STAMP)
-	$(BIN)/python bench/transformers_engine.py
+	$(BIN)/python -m bench.transformers_engine
 
 # On a GPU machine with only torch, transformers, nvidia-ml-py and pyarrow (no venv, no
 # Ray, no vLLM): memory-driven batch growth with a random 1B model, about 5 minutes.
 gpu-check:
-	$(PYTHON) -m pipeline.gpucheck --out bench/results/gpu/gpucheck.json
+	$(PYTHON) -m pipeline.tools.gpucheck --out bench/results/gpu/gpucheck.json
 
 clean:
 	rm -rf out data .cache

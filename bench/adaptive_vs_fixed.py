@@ -19,8 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from pipeline.bench import run_process
-from pipeline.machine import describe
+from bench.compare import run_process
+from pipeline.observe.machine import describe
 
 REPO = Path(__file__).resolve().parents[1]
 SYSTEMS = {
@@ -48,7 +48,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "bench/results/adaptive_vs_fixed"))
     args = parser.parse_args()
 
-    from pipeline.dev.corpus import write_corpus
+    from pipeline.tools.dev.corpus import write_corpus
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -43,7 +43,7 @@ what this comparison needs on top:
 - Detokenizing in the engine, as raw and the pipeline do: the detokenize stage is
   off (the documented example instead sets `detokenize=False` and detokenizes in a
   stage of its own, one more actor on a 2-core machine for the same work).
-- The engine settings of `pipeline.plan.engine_kwargs`, plus `max_num_seqs` and
+- The engine settings of `pipeline.run.plan.engine_kwargs`, plus `max_num_seqs` and
   `max_num_batched_tokens` pinned to what `vllm.LLM` resolves for them (unless the
   profile sets them): the processor builds its engine as `AsyncLLMEngine`, whose
   defaults are lower (on CPU 128 and 2,048 against `LLM`'s 256 and 4,096).
@@ -81,8 +81,8 @@ from typing import Any
 
 import psutil
 
-from pipeline.machine import describe
-from pipeline.ownership import MARK, NotOurs, OwnedFile, json_mark
+from pipeline.observe.machine import describe
+from pipeline.storage.ownership import MARK, NotOurs, OwnedFile, json_mark
 
 REPO = Path(__file__).resolve().parents[1]
 JOB = "jobs/nightly_summarize.yaml"
@@ -222,8 +222,8 @@ class SameSetup:
 
 def same_setup(corpus: str, output: str, sets: list[str]) -> SameSetup:
     from pipeline.config import load_run_config
-    from pipeline.plan import engine_kwargs, prepare_settings
-    from pipeline.runner import resolve_model
+    from pipeline.run.plan import engine_kwargs, prepare_settings
+    from pipeline.run.job import resolve_model
     from pipeline.stages.prepare import context_limit
 
     config = load_run_config(REPO / JOB, REPO / PROFILE, sets, corpus, output)
@@ -288,8 +288,8 @@ def llm_batch_defaults(sets: list[str], result: str) -> None:
     from vllm.usage.usage_lib import UsageContext
 
     from pipeline.config import load_run_config
-    from pipeline.plan import engine_kwargs
-    from pipeline.runner import resolve_model
+    from pipeline.run.plan import engine_kwargs
+    from pipeline.run.job import resolve_model
 
     config = load_run_config(REPO / JOB, REPO / PROFILE, sets)
     engine = config.profile.engine
@@ -370,7 +370,7 @@ def ray_data_llm(corpus: str, output: str, sets: list[str], result: str) -> None
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from pipeline.runner import WORKER_ENV_DEFAULTS
+    from pipeline.run.job import WORKER_ENV_DEFAULTS
 
     # 1. The same config, model, prompts and sampling as every other system.
     started = time.monotonic()
@@ -471,7 +471,7 @@ def pinned_engine_sets(sets: list[str], work: Path) -> list[str]:
     key = tuple(sets)
     if key not in _PINNED_ENGINE_SETS:
         result = work / "llm-batch-defaults.json"
-        cmd = [sys.executable, "-m", "pipeline.bench", "--llm-batch-defaults", str(result), *set_args(sets)]
+        cmd = [sys.executable, "-m", "bench.compare", "--llm-batch-defaults", str(result), *set_args(sets)]
         run_process(cmd, work / "llm-batch-defaults.log")
         _PINNED_ENGINE_SETS[key] = json.loads(result.read_text())
     return _PINNED_ENGINE_SETS[key]
@@ -510,7 +510,7 @@ def run_system(name: str, sets: list[str], corpus: Path, work: Path,
         result = work / f"{name}.json"
         if name == "ray-data-llm":
             sets = [*pinned_engine_sets(sets, work), *sets]
-        cmd = [sys.executable, "-m", "pipeline.bench", f"--{name}", str(corpus), str(out), str(result),
+        cmd = [sys.executable, "-m", "bench.compare", f"--{name}", str(corpus), str(out), str(result),
                *set_args(sets)]
         wall, peak = run_process(cmd, work / f"{name}.log", grace_s)
         r = json.loads(result.read_text())
@@ -766,7 +766,7 @@ def bench(rows: int, repeats: int, fixed: list[int], out: Path, scaling: list[in
     import click
 
     from pipeline.config import load_run_config
-    from pipeline.dev.corpus import write_corpus
+    from pipeline.tools.dev.corpus import write_corpus
 
     config = load_run_config(REPO / JOB, REPO / PROFILE)
     try:
@@ -829,9 +829,9 @@ def result_files(out: Path) -> dict[Path, OwnedFile]:
 
 def _main(argv: list[str]) -> None:
     """The own-process entries, each with optional `--set K=V` after its paths:
-    python -m pipeline.bench --raw|--ray-data-llm CORPUS OUTPUT RESULT
-    python -m pipeline.bench --llm-batch-defaults RESULT"""
-    usage = ("usage: python -m pipeline.bench --raw|--ray-data-llm CORPUS OUTPUT RESULT [--set K=V ...] | "
+    python -m bench.compare --raw|--ray-data-llm CORPUS OUTPUT RESULT
+    python -m bench.compare --llm-batch-defaults RESULT"""
+    usage = ("usage: python -m bench.compare --raw|--ray-data-llm CORPUS OUTPUT RESULT [--set K=V ...] | "
              "--llm-batch-defaults RESULT [--set K=V ...] (use `pipeline bench`)")
     if not argv:
         raise SystemExit(usage)
@@ -852,6 +852,6 @@ def _main(argv: list[str]) -> None:
 if __name__ == "__main__":
     # Through the package's module, not __main__, so Ray pickles the processor's
     # functions and the prepare class by reference and every worker imports them.
-    from pipeline.bench import _main as main
+    from bench.compare import _main as main
 
     main(sys.argv[1:])

@@ -41,15 +41,15 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/metrics_cost.json")
     args = ap.parse_args()
 
-    from pipeline.model_source import resolve_model
+    from pipeline.models.source import resolve_model
     from pipeline.generation.engine import Sampling
     from pipeline.generation.feeder import EngineFeeder
     from pipeline.generation.policy import FixedBatchPolicy
     from pipeline.config import EngineConfig
     from pipeline.generation.vllm import VLLMEngine
-    from pipeline.machine import describe
-    from pipeline.metrics import SNAPSHOT_INTERVAL_S, EngineMeter, RunMetrics
-    from pipeline.plan import vllm_settings
+    from pipeline.observe.machine import describe
+    from pipeline.observe.metrics import SNAPSHOT_INTERVAL_S, EngineMeter, RunMetrics
+    from pipeline.run.plan import vllm_settings
 
     model = resolve_model("tiny").path  # built in the pipeline's cache on first use
     engine = VLLMEngine(vllm_settings(model, EngineConfig(max_model_len=2048, gpu_memory_utilization=0.2, enforce_eager=True), seed=0))

@@ -35,10 +35,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from pipeline import schema  # noqa: E402
-from pipeline.commits import load_commits, row_keys  # noqa: E402
-from pipeline.dev.corpus import write_corpus  # noqa: E402
-from pipeline.output import OutputTarget  # noqa: E402
-from pipeline.sink import ParquetPartsSink  # noqa: E402
+from pipeline.storage.commits import load_commits, row_keys  # noqa: E402
+from pipeline.tools.dev.corpus import write_corpus  # noqa: E402
+from pipeline.storage.output import OutputTarget  # noqa: E402
+from pipeline.storage.sink import ParquetPartsSink  # noqa: E402
 
 JOB = "nightly_summarize"
 BLOCK = 128
@@ -83,7 +83,7 @@ def _every_row(batch: pa.Table) -> pa.Table:
 def time_read(corpus_path: Path, keys: pa.Array | None) -> tuple[float, int]:
     import ray.data
 
-    from pipeline.runner import skip_committed
+    from pipeline.run.job import skip_committed
 
     started = time.monotonic()
     ds = ray.data.read_parquet(str(corpus_path))
@@ -116,7 +116,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="resume-cost-"))
     corpus_path = write_corpus(tmp / "corpus.parquet", rows=args.rows, seed=7)
     corpus = pq.read_table(corpus_path)
-    from pipeline.dev.tiny_model import ensure_tiny_model
+    from pipeline.models.tiny import ensure_tiny_model
 
     model = ensure_tiny_model(tmp / "tiny", seed=0)
     ray.init(num_cpus=2, include_dashboard=False)

@@ -1,7 +1,7 @@
 """What publishing to an object store costs: requests and the window, per 1,000 parts.
 
 Against moto's S3 server on loopback (`make bench-s3`): an earlier output of N parts,
-then a run of N parts published over it through `pipeline.output`, as a run does.
+then a run of N parts published over it through `pipeline.storage.output`, as a run does.
 The server counts every request it serves, so the figure includes the checks
 (listings, reads of the report and markers), not only the copies and deletes.
 Timings against a local server do not predict S3's (README, "Object stores"):
@@ -55,13 +55,13 @@ def main() -> None:
                       AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
     import boto3
 
-    from pipeline.output import OutputTarget
-    from pipeline.report import REPORT_NAME
+    from pipeline.storage.output import OutputTarget
+    from pipeline.observe.report import REPORT_NAME
 
     bucket = f"bench-{uuid.uuid4().hex[:8]}"
     client = boto3.client("s3")
     client.create_bucket(Bucket=bucket)
-    from pipeline.machine import describe
+    from pipeline.observe.machine import describe
 
     results = {"parts": args.parts, "server": "moto 5.2.5 on loopback", "machine": describe(), "runs": []}
     try:

@@ -33,11 +33,11 @@ def one(config: str, rows: int, max_new_tokens: int) -> dict:
 
     from pipeline import schema
     from pipeline.config import load_run_config
-    from pipeline.dev.corpus import write_corpus
+    from pipeline.tools.dev.corpus import write_corpus
     from pipeline.generation.engine import Sampling
     from pipeline.generation.feeder import EngineFeeder
-    from pipeline.plan import hf_settings, prepare_settings, vllm_settings
-    from pipeline.runner import resolve_model
+    from pipeline.run.plan import hf_settings, prepare_settings, vllm_settings
+    from pipeline.run.job import resolve_model
     from pipeline.stages.generate import GenerateSettings, bucket_runs, make_policy
     from pipeline.stages.prepare import PrepareStage, context_limit
 
@@ -93,7 +93,7 @@ def main() -> None:
         print(json.dumps(one(args.one, args.rows, args.max_new_tokens)))
         return
 
-    from pipeline.machine import describe
+    from pipeline.observe.machine import describe
 
     runs = []
     for k in range(args.repeats):

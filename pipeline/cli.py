@@ -16,8 +16,8 @@ from rich.console import Console
 from rich.table import Table
 
 from pipeline.config import ConfigDeprecationWarning, ConfigError, RunConfig, load_run_config
-from pipeline.inputs import InputError
-from pipeline.ownership import NotOurs
+from pipeline.storage.inputs import InputError
+from pipeline.storage.ownership import NotOurs
 from pipeline.schema import FAILED_STATUSES
 
 console = Console(stderr=True)
@@ -185,11 +185,11 @@ def run(job: Path, profile: Path, input_path: str | None, output_path: str | Non
     --fail-on-error-rate (error and empty_output rows count); 1 on any other
     failure. The last line says why.
     """
-    from pipeline.lease import OutputBusy
-    from pipeline.metrics import Watch
-    from pipeline.model_source import ModelError
-    from pipeline.output import OutputError, PublishError
-    from pipeline.runner import RunStopped, run_job
+    from pipeline.storage.lease import OutputBusy
+    from pipeline.observe.metrics import Watch
+    from pipeline.models.source import ModelError
+    from pipeline.storage.output import OutputError, PublishError
+    from pipeline.run.job import RunStopped, run_job
 
     if resume and restart:
         _fail(EXIT_BAD_CONFIG, "--resume and --restart exclude each other: continue the stopped run, or discard it")
@@ -253,9 +253,9 @@ def tune(job: Path, profile: Path, input_path: str | None, sample: int, buckets:
     and sweep.csv, sweep.json, sweep.png and profile.yaml (use it with
     `pipeline run --profile`) in --out.
     """
-    from pipeline.model_source import ModelError
-    from pipeline.tune.job import tune_job
-    from pipeline.tune.outputs import choice_lines, sweep_table
+    from pipeline.models.source import ModelError
+    from pipeline.tools.tune.job import tune_job
+    from pipeline.tools.tune.outputs import choice_lines, sweep_table
 
     out = Console()
 
@@ -287,62 +287,14 @@ def tune(job: Path, profile: Path, input_path: str | None, sample: int, buckets:
 
 
 @main.command()
-@click.option("--rows", default=2000, show_default=True, type=click.IntRange(1),
-              help="Rows of the synthetic corpus every system runs on.")
-@click.option("--repeats", default=3, show_default=True, type=click.IntRange(1),
-              help="Interleaved runs per system; the table shows medians and ranges.")
-@click.option("--fixed", "fixed", multiple=True, type=click.IntRange(1), default=(),
-              help="Fixed batch sizes (rows in flight) to run as ablations; repeatable (none by default).")
-@click.option("--system", "systems", multiple=True,
-              help="Run only these systems (raw, ray-data-llm, pipeline, pipeline-2, no-bucket, fixed-N); "
-                   "repeatable or comma-separated.")
-@click.option("--scaling", is_flag=True,
-              help="Also run the full pipeline at 1k, 4k and 16k rows: time per 1,000 rows, peak driver and "
-                   "worker memory.")
-@click.option("--scaling-rows", default="1000,4000,16000", show_default=True,
-              help="The row counts --scaling runs, comma-separated.")
-@click.option("--out", default="bench/results/pipeline_vs_raw", show_default=True,
-              help="Results as OUT.md and OUT.json.")
-def bench(rows: int, repeats: int, fixed: tuple[int, ...], systems: tuple[str, ...], scaling: bool,
-          scaling_rows: str, out: str) -> None:
-    """The pipeline against raw vLLM, Ray Data LLM, and its own ablations.
-
-    Runs raw vLLM (one LLM.generate), Ray Data LLM (its vLLM processor), the
-    full pipeline with one engine and with two, the pipeline with bucketing off
-    and, when asked, at fixed batch sizes, on the same synthetic corpus, model,
-    prompts and sampling (jobs/nightly_summarize.yaml on conf/local.yaml),
-    interleaved, --repeats times each. Writes a Markdown table with the goals
-    met or missed, and JSON with the machine's details. See pipeline/bench.py
-    for what is measured.
-    """
-    from pipeline.bench import bench as run_bench
-
-    sizes = [int(x) for x in scaling_rows.split(",") if x.strip()] if scaling else None
-    out_path = Path(out)
-    result = run_bench(rows, repeats, list(fixed), out_path, scaling=sizes, systems=list(systems) or None,
-                       log=lambda line: Console().print(line, soft_wrap=True))
-    table = Table(title=f"pipeline bench · {rows:,} rows · medians of {repeats}", title_justify="left")
-    for name in ("system", "wall s", "steady tok/s", "vs raw", "busy", "ok / error", "driver MiB", "workers MiB"):
-        table.add_column(name, justify="left" if name == "system" else "right")
-    for r in result["systems"]:
-        def f(v: Any, spec: str = ",.0f") -> str:
-            return "-" if v is None else format(v, spec)
-        table.add_row(r["system"], f(r["wall_s"], ",.1f"), f(r["steady_tok_s"]), f(r["steady_tok_s_vs_raw"], ".3f"),
-                      f(r["busy_fraction"], ".3f"), f"{f(r['rows_ok'])} / {f(r['rows_error'])}",
-                      f(r["peak_driver_rss_mib"]), f(r["peak_workers_rss_mib"]))
-    Console().print(table)
-    Console().print(f"results: {out_path.with_suffix('.md')}  {out_path.with_suffix('.json')}", soft_wrap=True)
-
-
-@main.command()
 @click.argument("output")
 @click.option("--delete", is_flag=True, default=False, help="Remove what is listed (default: only list it).")
 def gc(output: str, delete: bool) -> None:
     """List the staging that stopped runs left beside OUTPUT (killed, or failed with rows
     committed), and with --delete remove it. Takes the output's lock first: refused
     (exit 2) while a run is writing OUTPUT. Touches only folders this pipeline marked."""
-    from pipeline.lease import OutputBusy
-    from pipeline.output import collect_garbage
+    from pipeline.storage.lease import OutputBusy
+    from pipeline.storage.output import collect_garbage
 
     try:
         found = collect_garbage(output, delete=delete)
@@ -376,7 +328,7 @@ def tiny_model(out: Path, seed: int, kind: str) -> None:
     done); anything else is refused (exit 2) and left as it is. `model.name: tiny`
     in a profile builds it into the pipeline's cache instead.
     """
-    from pipeline.dev.tiny_model import ensure_tiny_model, fingerprint
+    from pipeline.models.tiny import ensure_tiny_model, fingerprint
 
     try:
         ensure_tiny_model(out, seed=seed, kind=kind, instead="Choose a new or empty folder.")
@@ -395,7 +347,7 @@ def sample_corpus(out: Path, rows: int, seed: int) -> None:
     Columns: id, text, and source (a passthrough column). An existing OUT is replaced
     only if it is a sample corpus this command wrote; anything else is refused (exit 2).
     """
-    from pipeline.dev.corpus import write_corpus
+    from pipeline.tools.dev.corpus import write_corpus
 
     try:
         write_corpus(out, rows=rows, seed=seed)

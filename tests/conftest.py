@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.dev.tiny_model import cached_tiny_model, ensure_tiny_model
+from pipeline.models.tiny import cached_tiny_model, ensure_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 

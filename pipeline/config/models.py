@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pipeline.bucketing import DEFAULT_BOUNDARIES
+from pipeline.text.bucketing import DEFAULT_BOUNDARIES
 
 
 class _Section(BaseModel):
@@ -166,14 +166,14 @@ class AnnotationsConfig(_Section):
     @field_validator("json_schema")
     @classmethod
     def _maps_to_arrow(cls, schema: dict[str, Any]) -> dict[str, Any]:
-        from pipeline.annotations import check_schema
+        from pipeline.text.annotations import check_schema
 
         check_schema(schema)
         return schema
 
     def fields(self) -> list[Any]:
         """The Arrow fields of the annotation columns, prefixed."""
-        from pipeline.annotations import check_schema
+        from pipeline.text.annotations import check_schema
 
         return [f.with_name(self.column_prefix + f.name) for f in check_schema(self.json_schema)]
 

@@ -25,7 +25,7 @@ each step): the batch's peak over the memory this engine may use.
   controller then keeps the estimate under its target; it never meets a real OOM.
 
 This module imports torch and transformers only when an engine is built, and nothing
-of Ray, pydantic or psutil at all: `pipeline.gpucheck` runs it on a machine that
+of Ray, pydantic or psutil at all: `pipeline.tools.gpucheck` runs it on a machine that
 has only torch, transformers, nvidia-ml-py and pyarrow.
 """
 

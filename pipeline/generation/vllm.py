@@ -258,6 +258,20 @@ class EngineLogTee:
         return b"".join(self._tail).decode(errors="replace")
 
 
+
+def vllm_families(registry: Any = None) -> list[dict[str, Any]]:
+    """vLLM's own metrics in this process (its stat loggers register them in
+    prometheus-client's default registry), as plain data to send to the driver."""
+    if registry is None:
+        from prometheus_client import REGISTRY as registry
+    families = []
+    for metric in registry.collect():
+        if metric.name.startswith("vllm:"):
+            families.append({"name": metric.name, "type": metric.type, "doc": metric.documentation,
+                             "samples": [(s.name, dict(s.labels), s.value) for s in metric.samples]})
+    return families
+
+
 class VLLMEngine:
     """One vLLM engine, built once and reused for every call.
 
@@ -457,8 +471,6 @@ class VLLMEngine:
 
     def metric_families(self) -> list[dict[str, Any]]:
         """vLLM's own Prometheus metrics in this process, for the live metrics."""
-        from pipeline.metrics import vllm_families
-
         return vllm_families()
 
     def kv_gauges(self) -> tuple[float, int]:

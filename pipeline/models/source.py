@@ -2,7 +2,7 @@
 
 `model.name` is one of three things:
 - `tiny` (or `tiny-bart`): the offline tiny random model, asked for by name. It lives in
-  the pipeline's cache (`pipeline.dev.tiny_model.cache_dir`), built there on first use.
+  the pipeline's cache (`pipeline.models.tiny.cache_dir`), built there on first use.
 - a local folder (or a `.gguf` file): *your* model. It is only ever read. Its files are
   checked here, cheaply (config.json, the tokenizer, every safetensors header), so a
   broken or half-copied model stops the run with exit 2 before any engine starts.
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pipeline.dev.tiny_model import TINY_MODELS, cached_tiny_model, ensure_tiny_model
-from pipeline.ownership import NotOurs, entries, shown
+from pipeline.models.tiny import TINY_MODELS, cached_tiny_model, ensure_tiny_model
+from pipeline.storage.ownership import NotOurs, entries, shown
 
 log = logging.getLogger(__name__)
 

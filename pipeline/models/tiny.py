@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Literal
 
-from pipeline.ownership import MARK, NotOurs, entries, json_mark, shown
+from pipeline.storage.ownership import MARK, NotOurs, entries, json_mark, shown
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
@@ -44,7 +44,7 @@ def build_tiny_model(
     from transformers import BartConfig, BartForConditionalGeneration, LlamaConfig, LlamaForCausalLM
     from transformers import PreTrainedTokenizerFast
 
-    from pipeline.dev.corpus import tokenizer_training_text
+    from pipeline.text.synthetic import tokenizer_training_text
 
     out.mkdir(parents=True, exist_ok=True)
 

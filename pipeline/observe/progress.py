@@ -1,4 +1,4 @@
-"""Progress of a run in the terminal, in the same terms as its metrics (`pipeline.metrics`):
+"""Progress of a run in the terminal, in the same terms as its metrics (`pipeline.observe.metrics`):
 rows done of the total, ok and error counts, output tokens/s, the ETA, and for each
 engine the bucket it is serving with its rows in flight against the budget.
 
@@ -12,7 +12,7 @@ import sys
 import time
 from typing import Any, TextIO
 
-from pipeline.metrics import RunState
+from pipeline.observe.metrics import RunState
 
 
 def _duration(seconds: float | None) -> str:

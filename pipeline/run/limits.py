@@ -24,8 +24,8 @@ from typing import Any
 
 import yaml
 
-from pipeline.machine import cpu_name
-from pipeline.ownership import MARK, OwnedFile
+from pipeline.observe.machine import cpu_name
+from pipeline.storage.ownership import MARK, OwnedFile
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ engines start together, and what every node needs to run them.
   and failed start, with its time and the rows it affected. An actor killed outright
   says nothing; its next incarnation reports the restart, and what the dead one held.
 - Metrics: every engine actor sends it a snapshot of its state every 2 s and after each
-  block (`pipeline.metrics`); the driver reads them all from here, whichever node each
+  block (`pipeline.observe.metrics`); the driver reads them all from here, whichever node each
   engine is on, with the restarts and stalls per engine from the log above.
 - Warnings: it also remembers which vLLM warnings the run has shown (`first_time`),
   so that each shows once per run rather than once per engine.
@@ -39,9 +39,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import pipeline
 from pipeline.config import HardwareConfig
+from pipeline.observe.metrics import engine_name
 
-PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+PACKAGE_DIR = os.path.dirname(os.path.abspath(pipeline.__file__))  # the whole package, not this folder
 
 
 @dataclass(frozen=True)
@@ -77,11 +79,6 @@ def runtime_env(hw: HardwareConfig, env_vars: dict[str, str], empty_dir: str | N
         if empty_dir is not None:
             env["working_dir"] = empty_dir
     return env
-
-
-def engine_name(actor_key: str) -> str:
-    """An engine's name in metrics: short, and the same across its actor's restarts."""
-    return actor_key[:8]
 
 
 class _Arrivals:
@@ -146,7 +143,7 @@ class _Arrivals:
         self.meters[incarnation] = snapshot
 
     def metrics(self) -> dict[str, Any]:
-        """Every engine incarnation's latest snapshot (`pipeline.metrics`), and the restarts
+        """Every engine incarnation's latest snapshot (`pipeline.observe.metrics`), and the restarts
         and stalls per engine (by the short engine name the snapshots use)."""
         restarts: dict[str, int] = {}
         stalls: dict[str, int] = {}

@@ -46,8 +46,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline import schema
-from pipeline.annotations import AnnotationParser
-from pipeline.bucketing import LengthBucketer
+from pipeline.text.annotations import AnnotationParser
+from pipeline.text.bucketing import LengthBucketer
 from pipeline.config import AdaptivePolicy, FixedPolicy, TunedPolicy
 from pipeline.config.models import BatchPolicyConfig
 from pipeline.generation.engine import Completion, Engine, EngineCrashed, Sampling
@@ -57,9 +57,8 @@ from pipeline.generation.policy import (BatchPolicy, BatchSizeController, Contro
 from pipeline.generation.tasks import EngineCalls, annotate, map_reduce, summarize
 from pipeline.generation.hf import HFSettings, TransformersEngine
 from pipeline.generation.vllm import VLLMEngine, VLLMSettings, python_warnings_once
-from pipeline.length import char_span, windows
-from pipeline.metrics import EngineMeter
-from pipeline.pool import engine_name
+from pipeline.text.length import char_span, windows
+from pipeline.observe.metrics import EngineMeter, engine_name
 from pipeline.schema import Status
 from pipeline.stages.lifeline import Lifeline
 from pipeline.stages.prepare import PrepareSettings, PrepareStage
@@ -214,7 +213,7 @@ class GenerateStage:
         return VLLMEngine(settings.engine, warn_once=warn_once)
 
     def _meter(self, gate: Any) -> EngineMeter | None:
-        """This engine's live metrics (`pipeline.metrics`), sent to the pool's log."""
+        """This engine's live metrics (`pipeline.observe.metrics`), sent to the pool's log."""
         if gate is None or not hasattr(gate, "meter"):
             return None
         meter = EngineMeter(engine_name(self.life.key), self.actor, self.placement["host"], gate.meter,

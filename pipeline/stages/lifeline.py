@@ -2,7 +2,7 @@
 
 An engine core that crashed (not of memory) or hangs is not to be trusted, nor
 is anything in the process that drove it: the actor logs the incident with the
-pool (`pipeline.pool.PoolGate`: time, cause, the blocks and rows it held) and
+pool (`pipeline.run.pool.PoolGate`: time, cause, the blocks and rows it held) and
 ends its own process, engine core first. Ray starts the actor afresh, up to
 `engine.max_restarts` times, and retries every block it held; none of their rows
 was written, so none is written twice. An actor killed outright says nothing:

@@ -32,10 +32,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline import schema
-from pipeline.bucketing import DEFAULT_BOUNDARIES, LengthBucketer
+from pipeline.text.bucketing import DEFAULT_BOUNDARIES, LengthBucketer
 from pipeline.config import LengthConfig, PassagesConfig
 from pipeline.config.models import parse_template
-from pipeline.length import char_span, truncate_ids, windows
+from pipeline.text.length import char_span, truncate_ids, windows
 from pipeline.schema import Status
 
 
@@ -266,7 +266,7 @@ class PrepareStage:
     """Tokenizing stage; one per actor, the tokenizer loaded once.
 
     Rows too long for the model follow the job's length policy (see
-    `pipeline.length`): truncated and flagged, cut into windows for
+    `pipeline.text.length`): truncated and flagged, cut into windows for
     map-reduce summarization, or skipped. `cap_tokens`, when given, caps the
     prompt further (the corpus percentile cap).
     """

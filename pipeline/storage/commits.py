@@ -29,7 +29,7 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from pipeline.fs import is_local, replace_local
+from pipeline.storage.fs import is_local, replace_local
 
 COMMITS = "commits"
 STATS_KEY = b"pipeline.part_stats"

@@ -28,7 +28,7 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from pipeline.fs import resolve
+from pipeline.storage.fs import resolve
 
 _WILDCARDS = "*?["
 

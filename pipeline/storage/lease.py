@@ -18,7 +18,7 @@ Taking the lease:
   there only the expiry counts.
 
 On S3 (and S3-compatible stores such as MinIO) every change to the lock is a
-conditional write (`pipeline.objectstore`): created with `If-None-Match: *`,
+conditional write (`pipeline.storage.objectstore`): created with `If-None-Match: *`,
 taken over, renewed and removed with `If-Match` on the ETag this run read, so
 of two racing runs exactly one wins, as with the local hard link. Other object
 stores (pyarrow has no conditional write for them) fall back to check, write
@@ -41,8 +41,8 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from pipeline.fs import is_local, read_bytes, sibling, split, write_bytes
-from pipeline.objectstore import S3Store, is_s3
+from pipeline.storage.fs import is_local, read_bytes, sibling, split, write_bytes
+from pipeline.storage.objectstore import S3Store, is_s3
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ moved aside to `<path>.backup-<UTC time>` when the run publishes, and the
 report says where. Nothing is deleted that the pipeline did not write.
 
 The staging life cycle (README, "What the pipeline may delete"):
-1. `open`: take the output's lease (`pipeline.lease`), check the output,
+1. `open`: take the output's lease (`pipeline.storage.lease`), check the output,
    create the staging folder and its marker. All before Ray starts.
 2. The write tasks put the parts into `<staging>/output/`; the report and the
    plot follow once every part is there.
@@ -28,7 +28,7 @@ The staging life cycle (README, "What the pipeline may delete"):
    a journal in the staging so that a publish cut short is finished by the next
    run (`Publishing`).
 4. `stop` (a failed run): its staging stays if any part is committed
-   (`pipeline.commits`), for `--resume`; a run that committed nothing removes
+   (`pipeline.storage.commits`), for `--resume`; a run that committed nothing removes
    it. A run killed outright leaves it too.
 5. The next run of the output finds a stopped run's staging (its lease is gone):
    without `--resume` or `--restart` it stops with exit 2, naming the run and
@@ -52,14 +52,14 @@ from typing import Any, Literal
 
 import pyarrow.fs as pafs
 
-from pipeline.commits import Committed, drop_uncommitted, load_commits
-from pipeline.fs import is_local, read_bytes, resolve, sibling, split, write_bytes
-from pipeline.lease import Owner, OutputLease
-from pipeline.objectstore import S3Store, is_s3
-from pipeline.report import REPORT_NAME
+from pipeline.storage.commits import Committed, drop_uncommitted, load_commits
+from pipeline.storage.fs import is_local, read_bytes, resolve, sibling, split, write_bytes
+from pipeline.storage.lease import Owner, OutputLease
+from pipeline.storage.objectstore import S3Store, is_s3
 
 log = logging.getLogger(__name__)
 
+REPORT_NAME = "_report.json"  # its presence means the output is complete; it lists what the run wrote
 STAGING_MARKER = "_staging.json"
 PUBLISHING_MARKER = "_publishing.json"
 STAGING_SUFFIX = ".staging"

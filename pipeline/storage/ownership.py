@@ -1,7 +1,7 @@
 """The rule every write of this pipeline follows: it creates, replaces or deletes only what
 it can prove it wrote.
 
-The output folder has its own form of the rule (`pipeline.output`: an earlier report of
+The output folder has its own form of the rule (`pipeline.storage.output`: an earlier report of
 the same job lists its files). Everything else a command writes takes one of two shapes:
 
 - **A file that carries its writer's mark inside it**: the learned limits (a YAML key),
@@ -13,8 +13,8 @@ the same job lists its files). Everything else a command writes takes one of two
 
 Anything else at the path stops the command with `NotOurs` (exit 2) before any expensive
 work, naming the path and a few of the entries there, and saying what to do instead.
-Nothing is changed. Only the standard library and `pipeline.fs` are imported here, so
-`pipeline.gpucheck` can use it on a machine with nothing else installed.
+Nothing is changed. Only the standard library and `pipeline.storage.fs` are imported here, so
+`pipeline.tools.gpucheck` can use it on a machine with nothing else installed.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.fs import replace_local
+from pipeline.storage.fs import replace_local
 
 # The value of `written_by` in what this pipeline writes, and its Parquet metadata key.
 MARK = "llm-corpus-pipeline"

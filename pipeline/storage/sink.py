@@ -6,10 +6,10 @@ per status, prompt lengths per bucket, engine calls), so the report is built
 from what was written without reading the output back.
 
 The sink writes only into the folder it is given: the run's staging
-(`pipeline.output`), which the runner publishes once the report is there too.
+(`pipeline.storage.output`), which the runner publishes once the report is there too.
 Publishing, and what may be replaced or deleted, is not the sink's business.
 
-After each part, its commit marker (`pipeline.commits`): from then on a resumed
+After each part, its commit marker (`pipeline.storage.commits`): from then on a resumed
 run skips that part's rows. The parts a resumed run found committed come in as
 `previous`, so the report covers every row of the output, whichever run wrote it.
 """
@@ -30,7 +30,7 @@ from ray.data.block import Block, BlockAccessor
 from ray.data.datasource.datasink import WriteResult
 
 from pipeline import schema
-from pipeline.commits import commit_part
+from pipeline.storage.commits import commit_part
 
 PART_PREFIX = "part-"
 

@@ -1,8 +1,8 @@
 """The GPU check: memory-driven batch growth with the transformers engine, on a real GPU,
 with nothing but torch, transformers, nvidia-ml-py and pyarrow installed.
 
-    python -m pipeline.gpucheck --out gpucheck.json        # on the GPU machine, ~5 minutes
-    python -m pipeline.gpucheck --plot gpucheck.json out.png   # anywhere with matplotlib
+    python -m pipeline.tools.gpucheck --out gpucheck.json        # on the GPU machine, ~5 minutes
+    python -m pipeline.tools.gpucheck --plot gpucheck.json out.png   # anywhere with matplotlib
 
 It imports the generation core (feeder, batch controller, transformers engine) and
 nothing of Ray, vLLM, pydantic, psutil or matplotlib. It:
@@ -33,7 +33,7 @@ from typing import Any
 from pipeline.generation.engine import Sampling
 from pipeline.generation.feeder import EngineFeeder
 from pipeline.generation.policy import BatchSizeController, ControllerSettings, static_batch_settings
-from pipeline.ownership import MARK, NotOurs, OwnedFile, marked_json, png_software
+from pipeline.storage.ownership import MARK, NotOurs, OwnedFile, marked_json, png_software
 
 BOUNDARIES = (128, 256, 512, 1024, 2048, 4096)
 BAND = (0.85, 0.95)
@@ -152,13 +152,13 @@ def build_model(params_b: float = 1.0, vocab: int = 32000, seed: int = 0) -> tup
     return model, tokenizer
 
 
-# What the check writes, only where nothing is or it wrote before (`pipeline.ownership`).
+# What the check writes, only where nothing is or it wrote before (`pipeline.storage.ownership`).
 RESULT = OwnedFile("a GPU check result", marked_json, "Choose another --out.")
 PLOT = OwnedFile("a GPU check plot", lambda p: png_software(p) == MARK, "Choose another PNG path.")
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pipeline.gpucheck", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m pipeline.tools.gpucheck", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="gpucheck.json")
     ap.add_argument("--rows", type=int, default=3000)
     ap.add_argument("--params-b", type=float, default=1.0, help="model size, billions of parameters")

@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.dev.corpus import write_corpus
+from pipeline.tools.dev.corpus import write_corpus
 from tests.conftest import REPO, Prometheus, free_port, servers_installed, start_prometheus, start_pushgateway
 
 ROWS = 200

@@ -114,7 +114,7 @@ def test_injected_oom_loses_no_row_and_the_next_run_starts_warm(
 
 
 def test_engine_death_rebuilds_the_engine_and_retries_the_rows(tiny_model, tmp_path):
-    from pipeline.dev.corpus import write_corpus
+    from pipeline.tools.dev.corpus import write_corpus
 
     corpus = write_corpus(tmp_path / "c.parquet", rows=200, seed=5)
     run = small_kv(tiny_model, corpus, tmp_path / "out",

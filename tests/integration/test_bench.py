@@ -4,8 +4,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.bench import run_system
-from pipeline.dev.corpus import write_corpus
+from bench.compare import run_system
+from pipeline.tools.dev.corpus import write_corpus
 
 pytestmark = pytest.mark.integration
 

@@ -22,7 +22,7 @@ from typing import Any
 import psutil
 import pytest
 
-from pipeline.dev.corpus import write_corpus
+from pipeline.tools.dev.corpus import write_corpus
 from tests.conftest import REPO, servers_installed, start_pushgateway
 from tests.integration.conftest import JobRun, read_run, run_cli
 

@@ -6,7 +6,7 @@ from pipeline.config import EngineConfig, RestartConfig, SamplingConfig
 from pipeline.generation.feeder import EngineFeeder
 from pipeline.generation.policy import FixedBatchPolicy
 from pipeline.generation.vllm import EngineStartupError, VLLMEngine
-from pipeline.plan import sampling_of, vllm_settings
+from pipeline.run.plan import sampling_of, vllm_settings
 
 pytestmark = pytest.mark.integration
 
@@ -84,8 +84,8 @@ def test_a_run_whose_engine_writes_only_whitespace_reports_empty_output(engine, 
     from transformers import AutoTokenizer
 
     from pipeline.config import load_run_config
-    from pipeline.plan import generate_settings, prepare_settings
-    from pipeline.sink import _block_stats
+    from pipeline.run.plan import generate_settings, prepare_settings
+    from pipeline.storage.sink import _block_stats
     from pipeline.stages.generate import GenerateStage
     from pipeline.stages.prepare import PrepareStage
     from tests.conftest import REPO

@@ -7,7 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline import schema
-from pipeline.bucketing import LengthBucketer
+from pipeline.text.bucketing import LengthBucketer
 from tests.integration.conftest import MAX_NEW_TOKENS, ROWS
 
 pytestmark = pytest.mark.integration
@@ -117,7 +117,7 @@ def test_fixed_batches_streaming_grouping(tiny_model, tmp_path):
     global sort."""
     from tests.conftest import REPO
     from tests.integration.conftest import read_run, run_cli
-    from pipeline.dev.corpus import write_corpus
+    from pipeline.tools.dev.corpus import write_corpus
 
     corpus = write_corpus(tmp_path / "c.parquet", rows=120, seed=3)
     run = read_run(tmp_path / "out", corpus, run_cli(

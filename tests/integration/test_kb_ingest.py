@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.config import load_run_config
-from pipeline.dev.corpus import make_corpus
+from pipeline.tools.dev.corpus import make_corpus
 from tests.conftest import REPO
 from tests.integration.conftest import run_cli
 
@@ -96,9 +96,9 @@ def stop_a_run(written: pa.Table, output, documents: int) -> int:
     import time
 
     from pipeline import schema
-    from pipeline.commits import commit_part
-    from pipeline.output import OutputTarget
-    from pipeline.sink import _block_stats
+    from pipeline.storage.commits import commit_part
+    from pipeline.storage.output import OutputTarget
+    from pipeline.storage.sink import _block_stats
 
     ids = written.column("id").to_pylist()
     cut = next(i for i in range(written.num_rows // 2, written.num_rows) if ids[i] == ids[i - 1])

@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.cli import EXIT_BAD_CONFIG, EXIT_ERROR_RATE
-from pipeline.dev.corpus import make_corpus
+from pipeline.tools.dev.corpus import make_corpus
 from tests.conftest import REPO
 from tests.integration.conftest import JobRun, run_cli
 

@@ -28,7 +28,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.dev.corpus import write_corpus
+from pipeline.tools.dev.corpus import write_corpus
 from tests.conftest import REPO
 
 FILES, ROWS_PER_FILE = 30, 20  # 600 rows, one tokenizing batch per file

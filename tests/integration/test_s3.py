@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.dev.corpus import write_corpus
+from pipeline.tools.dev.corpus import write_corpus
 from tests.conftest import REPO, S3
 from tests.integration.test_resume import end_all, run_processes, start, wait_for
 

@@ -14,8 +14,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.dev.corpus import write_corpus
-from pipeline.dev.tiny_model import ensure_tiny_model
+from pipeline.tools.dev.corpus import write_corpus
+from pipeline.models.tiny import ensure_tiny_model
 from tests.conftest import REPO
 from tests.integration.conftest import read_run, run_cli
 

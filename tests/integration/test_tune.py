@@ -8,7 +8,7 @@ import sys
 import pytest
 import yaml
 
-from pipeline.dev.corpus import write_corpus
+from pipeline.tools.dev.corpus import write_corpus
 from tests.conftest import REPO
 from tests.integration.conftest import read_run, run_cli
 

@@ -6,7 +6,7 @@ import sys
 import pyarrow as pa
 import pytest
 
-from pipeline.bench import (
+from bench.compare import (
     GOALS,
     choose_systems,
     engine_request,

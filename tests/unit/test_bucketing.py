@@ -1,6 +1,6 @@
 import pytest
 
-from pipeline.bucketing import DEFAULT_BOUNDARIES, LengthBucketer
+from pipeline.text.bucketing import DEFAULT_BOUNDARIES, LengthBucketer
 
 
 def test_default_boundaries_are_powers_of_two_128_to_8192():
@@ -50,7 +50,7 @@ def test_rejects_negative_length():
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from pipeline.bucketing import window_order  # noqa: E402
+from pipeline.text.bucketing import window_order  # noqa: E402
 from pipeline.stages.generate import bucket_runs  # noqa: E402
 
 NAMES = LengthBucketer().names

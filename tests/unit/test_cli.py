@@ -55,7 +55,7 @@ def test_missing_input_exits_2_before_any_model_loads(tmp_path):
 
 
 def test_an_output_folder_of_foreign_files_exits_2_before_ray_and_keeps_every_byte(tmp_path, tiny_model):
-    from pipeline.dev.corpus import write_corpus
+    from pipeline.tools.dev.corpus import write_corpus
 
     corpus = write_corpus(tmp_path / "c.parquet", rows=20, seed=0)
     user = tmp_path / "user"

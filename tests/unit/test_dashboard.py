@@ -1,6 +1,6 @@
 """The Grafana dashboard (dashboards/pipeline.json) imports as it is, and queries only
 metrics a run exports: the `pipeline_*` names from the real collector in
-`pipeline.metrics`, the `vllm:*` names as the installed vLLM registers them.
+`pipeline.observe.metrics`, the `vllm:*` names as the installed vLLM registers them.
 
 `queried_metrics` is shared: the integration test imports it to check, against a real
 Prometheus scraping a real run, that every name has series."""
@@ -110,7 +110,7 @@ def fake_vllm_families(names: set[str], registered: dict[str, str]) -> list[dict
     model_name and engine, which the driver replaces with ours)."""
     from prometheus_client import CollectorRegistry, Counter as PCounter, Gauge, Histogram
 
-    from pipeline.metrics import vllm_families
+    from pipeline.generation.vllm import vllm_families
 
     registry = CollectorRegistry()
     kinds = {"histogram": Histogram, "counter": PCounter, "gauge": Gauge}
@@ -153,7 +153,7 @@ def exported(vllm: list[dict[str, Any]]) -> dict[str, set[str]]:
     through the real collector over a real engine snapshot."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from pipeline.metrics import EngineMeter, RunMetrics
+    from pipeline.observe.metrics import EngineMeter, RunMetrics
 
     metrics = RunMetrics("nightly", "run-1", "s3://bucket/out", "Qwen/Qwen2.5-0.5B-Instruct")
     meter = EngineMeter("a1b2c3d4", "a1b2c3d4e5", "node-1", lambda incarnation, snap: None, feeder=_Feeder(),

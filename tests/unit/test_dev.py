@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 import pyarrow.parquet as pq
 
-from pipeline.dev.corpus import document_lengths, make_corpus, write_corpus
-from pipeline.dev.tiny_model import build_tiny_model, fingerprint
+from pipeline.text.synthetic import document_lengths
+from pipeline.tools.dev.corpus import make_corpus, write_corpus
+from pipeline.models.tiny import build_tiny_model, fingerprint
 
 
 def test_tiny_model_is_deterministic(tmp_path):

@@ -12,11 +12,12 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from pipeline import runner, schema
-from pipeline.bucketing import LengthBucketer
+from pipeline import schema
+from pipeline.run import job as runner
+from pipeline.text.bucketing import LengthBucketer
 from pipeline.config import load_run_config
-from pipeline.output import OutputTarget
-from pipeline.sink import ParquetPartsSink
+from pipeline.storage.output import OutputTarget
+from pipeline.storage.sink import ParquetPartsSink
 from tests.conftest import REPO
 from tests.unit.test_sink import Ctx, block
 
@@ -84,8 +85,8 @@ def test_a_failing_side_step_is_a_warning_and_the_output_is_published(tmp_path, 
 def test_run_job_keeps_a_finished_runs_staging_and_discards_a_failed_ones(tmp_path, monkeypatch, error):
     """The wiring around generation: a run that failed before its report removes its
     staging; one that finished but may not publish keeps it, with every row in it."""
-    from pipeline.dev.corpus import write_corpus
-    from pipeline.output import PublishError
+    from pipeline.tools.dev.corpus import write_corpus
+    from pipeline.storage.output import PublishError
 
     corpus = write_corpus(tmp_path / "c.parquet", rows=4, seed=0)
     config = load_run_config(REPO / "jobs/nightly_summarize.yaml", REPO / "conf/local.yaml", [],

@@ -30,7 +30,7 @@ def test_only_eligible_rows_are_called():
 def test_both_policies_trajectories_plot():
     """Fixed and adaptive trajectories have the same shape for the report and plot."""
     from pipeline.generation.policy import BatchSizeController, FixedBatchPolicy, Observation
-    from pipeline.report_plot import plot_trajectories
+    from pipeline.observe.report_plot import plot_trajectories
     from tests.conftest import drawn
 
     for policy in (FixedBatchPolicy(8), BatchSizeController(initial_budget_tokens=1000)):

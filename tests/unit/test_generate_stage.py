@@ -10,7 +10,7 @@ import pytest
 
 from pipeline import schema
 from pipeline.config import load_run_config
-from pipeline.plan import generate_settings, prepare_settings
+from pipeline.run.plan import generate_settings, prepare_settings
 from pipeline.stages.generate import GenerateStage
 from pipeline.stages.prepare import PrepareStage
 from tests.conftest import REPO
@@ -149,7 +149,7 @@ def test_whitespace_only_output_is_empty_output_not_ok(tiny_model):
 def test_fail_on_error_rate_counts_empty_output_as_failed(monkeypatch):
     from click.testing import CliRunner
 
-    from pipeline import runner
+    from pipeline.run import job as runner
     from pipeline.cli import EXIT_ERROR_RATE, main
 
     class Report:

@@ -1,7 +1,7 @@
 """The transformers engine (`pipeline.generation.hf`): real static batches on the tiny
 Llama and a tiny BART, on CPU; the batch controller against a memory budget, with a
 fake device that runs out of memory the way CUDA does; and the GPU check's logic
-(`pipeline.gpucheck`) on that fake device."""
+(`pipeline.tools.gpucheck`) on that fake device."""
 
 import itertools
 import json
@@ -20,7 +20,7 @@ from tests.conftest import REPO
 
 @pytest.fixture(scope="module")
 def tiny_bart(tmp_path_factory):
-    from pipeline.dev.tiny_model import ensure_tiny_model
+    from pipeline.models.tiny import ensure_tiny_model
 
     return ensure_tiny_model(tmp_path_factory.mktemp("models") / "bart", seed=0, kind="bart")
 
@@ -157,7 +157,7 @@ def test_batches_grow_to_the_budget_back_off_on_oom_and_the_learned_limit_is_reu
 
 
 def test_the_gpu_check_passes_on_a_device_that_behaves_and_says_so_in_one_result():
-    from pipeline.gpucheck import run_check, synthetic_corpus
+    from pipeline.tools.gpucheck import run_check, synthetic_corpus
 
     device = FakeDevice(capacity=2e9, per_token=30_000.0)
     result = run_check(device, synthetic_corpus(6000, vocab=1000, seed=1), max_new_tokens=16)
@@ -169,7 +169,7 @@ def test_the_gpu_check_passes_on_a_device_that_behaves_and_says_so_in_one_result
 
 
 def test_the_gpu_check_fails_when_batches_never_reach_the_band():
-    from pipeline.gpucheck import run_check, synthetic_corpus
+    from pipeline.tools.gpucheck import run_check, synthetic_corpus
 
     roomy = FakeDevice(capacity=4e9, per_token=30_000.0, max_num_seqs=8)  # 8 rows at most: memory never binds
     result = run_check(roomy, synthetic_corpus(600, vocab=1000, seed=1), max_new_tokens=16)
@@ -181,8 +181,8 @@ def test_the_gpu_check_needs_only_torch_transformers_nvml_and_pyarrow():
         "import sys\n"
         "for m in ('ray', 'vllm', 'pydantic', 'psutil', 'matplotlib', 'click', 'rich', 'yaml'):\n"
         "    sys.modules[m] = None  # importing any of them now fails\n"
-        "import pipeline.gpucheck, pipeline.generation.hf\n"
-        "from pipeline.gpucheck import run_check, synthetic_corpus\n"
+        "import pipeline.tools.gpucheck, pipeline.generation.hf\n"
+        "from pipeline.tools.gpucheck import run_check, synthetic_corpus\n"
         "from tests.unit.test_hf_engine import FakeDevice\n"
         "print(run_check(FakeDevice(capacity=4e9, per_token=30_000.0), synthetic_corpus(300, 1000))['rows_done'])\n"
     )
@@ -197,8 +197,8 @@ def test_buckets_cut_the_padding_of_the_sample_corpus_by_more_than_half(tiny_mod
     import pyarrow.parquet as pq
     from transformers import AutoTokenizer
 
-    from pipeline.bucketing import LengthBucketer
-    from pipeline.dev.corpus import write_corpus
+    from pipeline.text.bucketing import LengthBucketer
+    from pipeline.tools.dev.corpus import write_corpus
     from pipeline.generation.hf import padded_tokens
     from pipeline.stages.generate import bucket_runs
 

@@ -5,7 +5,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.inputs import InputError, check_inputs, detect_format, duplicate_ids, list_files
+from pipeline.storage.inputs import InputError, check_inputs, detect_format, duplicate_ids, list_files
 
 
 def table(n=3, **extra):

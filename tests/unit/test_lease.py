@@ -1,4 +1,4 @@
-"""The output lease (`pipeline.lease`): one run at a time per output, held by a live
+"""The output lease (`pipeline.storage.lease`): one run at a time per output, held by a live
 process the test starts itself (a `sleep`) and stops by its handle."""
 
 import json
@@ -12,7 +12,7 @@ import psutil
 import pyarrow.fs as pafs
 import pytest
 
-from pipeline.lease import Lease, LeaseLost, OutputBusy, OutputLease, Owner, lock_path
+from pipeline.storage.lease import Lease, LeaseLost, OutputBusy, OutputLease, Owner, lock_path
 from tests.conftest import REPO
 
 
@@ -123,7 +123,7 @@ def test_the_lease_is_renewed_while_held_and_loss_is_noticed(tmp_path):
 def test_two_runs_racing_for_one_output_get_one_lease(tmp_path):
     code = (
         "import sys, time, pyarrow.fs as pafs\n"
-        "from pipeline.lease import OutputLease, Owner, OutputBusy\n"
+        "from pipeline.storage.lease import OutputLease, Owner, OutputBusy\n"
         "lease = OutputLease(pafs.LocalFileSystem(), sys.argv[1], Owner.this_process(sys.argv[2], 'j'))\n"
         "time.sleep(max(0, float(sys.argv[3]) - time.time()))\n"
         "try:\n"
@@ -140,7 +140,7 @@ def test_two_runs_racing_for_one_output_get_one_lease(tmp_path):
 
 
 def test_the_cli_refuses_an_output_a_live_run_holds_before_ray_starts(tmp_path, sleeper, tiny_model):
-    from pipeline.dev.corpus import write_corpus
+    from pipeline.tools.dev.corpus import write_corpus
 
     corpus = write_corpus(tmp_path / "c.parquet", rows=5, seed=0)
     place(tmp_path / "out", held_by(sleeper, run_id="20261130T000000Z-abcdef"))

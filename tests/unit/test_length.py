@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.length import truncate_ids, windows
+from pipeline.text.length import truncate_ids, windows
 
 ids_lists = st.lists(st.integers(0, 50_000), max_size=400)
 

@@ -3,7 +3,7 @@ import time
 
 import yaml
 
-from pipeline.limits_store import load_limits, merge_limits, save_limits
+from pipeline.run.limits import load_limits, merge_limits, save_limits
 
 KEY = {"model": "m", "hardware": "cpu:x", "max_model_len": 4096, "dtype": "bfloat16"}
 

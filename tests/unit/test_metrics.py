@@ -1,4 +1,4 @@
-"""Live metrics (`pipeline.metrics`) and progress (`pipeline.progress`) without engines:
+"""Live metrics (`pipeline.observe.metrics`) and progress (`pipeline.observe.progress`) without engines:
 a fake feeder and policy stand in for an engine actor's; the endpoint and the
 Pushgateway are real (Debian's pushgateway, started by the test)."""
 
@@ -12,8 +12,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.generation.feeder import FeederTotals
-from pipeline.metrics import EngineMeter, RunMetrics, merge
-from pipeline.progress import ProgressLines, summary_line
+from pipeline.observe.metrics import EngineMeter, RunMetrics, merge
+from pipeline.observe.progress import ProgressLines, summary_line
 
 
 def samples(text: str) -> dict[tuple[str, tuple], float]:
@@ -178,7 +178,8 @@ def test_the_summary_gives_the_eta_while_the_run_goes():
 
 
 def test_the_pool_log_gives_every_incarnations_snapshot_and_restarts_per_engine():
-    from pipeline.pool import _Arrivals, engine_name
+    from pipeline.observe.metrics import engine_name
+    from pipeline.run.pool import _Arrivals
 
     log = _Arrivals(engines=2)
     actor = "ab12cd34" + "0" * 24

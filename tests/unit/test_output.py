@@ -1,4 +1,4 @@
-"""Ownership, staging and publishing (`pipeline.output`) on real filesystems: a local
+"""Ownership, staging and publishing (`pipeline.storage.output`) on real filesystems: a local
 folder, and a pyarrow SubTreeFileSystem standing in for a bucket, which takes the
 object-store code path (no folder rename, copy then delete)."""
 
@@ -9,9 +9,9 @@ from pathlib import Path
 import pyarrow.fs as pafs
 import pytest
 
-from pipeline import output as output_module
-from pipeline.output import STAGING_MARKER, OutputError, OutputTarget, PublishError, survey
-from pipeline.report import REPORT_NAME
+from pipeline.storage import output as output_module
+from pipeline.storage.output import STAGING_MARKER, OutputError, OutputTarget, PublishError, survey
+from pipeline.observe.report import REPORT_NAME
 
 JOB = "nightly_summarize"
 

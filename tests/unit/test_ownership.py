@@ -15,9 +15,9 @@ import pytest
 from click.testing import CliRunner
 
 from pipeline.cli import EXIT_BAD_CONFIG, main
-from pipeline.dev.tiny_model import MARKER, cached_tiny_model, ensure_tiny_model
-from pipeline.model_source import ModelError, check_local_model, resolve_model
-from pipeline.ownership import NotOurs, OwnedFile, OwnedFolder, json_mark
+from pipeline.models.tiny import MARKER, cached_tiny_model, ensure_tiny_model
+from pipeline.models.source import ModelError, check_local_model, resolve_model
+from pipeline.storage.ownership import NotOurs, OwnedFile, OwnedFolder, json_mark
 from tests.conftest import REPO
 
 NIGHTLY, LOCAL = "jobs/nightly_summarize.yaml", "conf/local.yaml"
@@ -59,7 +59,7 @@ def users_model(tmp_path) -> Path:
 
 def test_the_reproduction_a_users_model_folder_exits_2_before_ray_with_every_byte_intact(tmp_path, users_model):
     """The issue's run, through the CLI: the local profile, model.name at the user's folder."""
-    from pipeline.dev.corpus import write_corpus
+    from pipeline.tools.dev.corpus import write_corpus
 
     corpus = write_corpus(tmp_path / "c.parquet", rows=30, seed=0)
     before = snapshot(users_model)
@@ -94,7 +94,7 @@ def test_the_old_spelling_never_builds_over_a_folder_that_holds_something(tmp_pa
 
 
 def write_corpus_for(tmp_path: Path) -> Path:
-    from pipeline.dev.corpus import write_corpus
+    from pipeline.tools.dev.corpus import write_corpus
 
     return write_corpus(tmp_path / "c.parquet", rows=10, seed=0)
 
@@ -208,7 +208,7 @@ def test_tune_out_onto_a_folder_with_a_foreign_file_is_refused_before_any_engine
 
 
 def test_tune_out_replaces_only_what_an_earlier_tune_listed(tmp_path):
-    from pipeline.tune.outputs import TUNE_OUT
+    from pipeline.tools.tune.outputs import TUNE_OUT
 
     out = tmp_path / "tune"
     TUNE_OUT.write(out, {"sweep.csv": b"1", "sweep.png": b"2", "sweep.json": json.dumps(
@@ -264,7 +264,7 @@ def test_learned_limits_at_a_foreign_file_stop_the_run_before_ray(tmp_path):
 
 
 def test_learned_limits_replace_only_their_own_file(tmp_path):
-    from pipeline.limits_store import load_limits, save_limits
+    from pipeline.run.limits import load_limits, save_limits
 
     path = tmp_path / "limits.yaml"
     path.write_text("key: {model: m}\nsaved_at: 0\nlimits: {le128: 1}\n")  # written before the mark
@@ -277,11 +277,12 @@ def test_learned_limits_replace_only_their_own_file(tmp_path):
 
 
 def test_bench_and_gpu_check_results_are_not_written_over_foreign_files(tmp_path):
-    from pipeline import gpucheck
+    from bench.__main__ import bench
+    from pipeline.tools import gpucheck
 
     theirs = tmp_path / "result.json"
     theirs.write_text('{"mine": true}')
-    r = CliRunner().invoke(main, ["bench", "--out", str(tmp_path / "result"), "--repeats", "1"])
+    r = CliRunner().invoke(bench, ["--out", str(tmp_path / "result"), "--repeats", "1"])
     assert r.exit_code == 2 and "did not write" in r.output and theirs.read_text() == '{"mine": true}'
     assert gpucheck.main(["--out", str(theirs)]) == 2 and theirs.read_text() == '{"mine": true}'
     png = tmp_path / "plot.png"

@@ -4,7 +4,7 @@ without a cluster (tests/integration/test_cluster.py runs them on a real one).""
 import pytest
 
 from pipeline.config import HardwareConfig
-from pipeline.pool import PACKAGE_DIR, EnginePool, engine_resources, runtime_env
+from pipeline.run.pool import PACKAGE_DIR, EnginePool, engine_resources, runtime_env
 
 
 def hw(**kw):

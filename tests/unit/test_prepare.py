@@ -5,7 +5,7 @@ import pytest
 
 from pipeline import schema
 from pipeline.config import load_run_config
-from pipeline.plan import prepare_settings
+from pipeline.run.plan import prepare_settings
 from pipeline.stages.prepare import PrepareStage
 from tests.conftest import REPO
 
@@ -122,11 +122,11 @@ def kb_stage(tiny_model):
 
 
 def test_passages_map_back_to_the_exact_text_with_the_configured_overlap(kb_stage):
-    from pipeline.dev.corpus import synthetic_text, _vocabulary
+    from pipeline.text.synthetic import synthetic_text, vocabulary
     import numpy as np
 
     rng = np.random.default_rng(3)
-    words = _vocabulary()
+    words = vocabulary()
     docs = [synthetic_text(rng, words, n) for n in (5, 60, 400)] + ["  Lead space.\n\n\nTrail  \n"]
     out = kb_stage(pa.table({"id": [1, 2, 3, 4], "text": docs, "source": ["wiki"] * 4}))
     assert "text" not in out.column_names

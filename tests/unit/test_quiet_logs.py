@@ -1,10 +1,10 @@
-"""vLLM warnings once per run, not once per engine (`pipeline.generation.vllm`, `pipeline.pool`)."""
+"""vLLM warnings once per run, not once per engine (`pipeline.generation.vllm`, `pipeline.run.pool`)."""
 
 import logging
 import os
 
 from pipeline.generation.vllm import EngineLogTee, WarningFilter, WarningLines, warning_key
-from pipeline.pool import _Arrivals
+from pipeline.run.pool import _Arrivals
 
 ENGINE_A = ("(MapWorker(MapBatches(GenerateStage)) pid=28484) (EngineCore pid=29308) WARNING 12-01 02:36:15 "
             "[vllm.py:1703] Enforce eager set, disabling torch.compile and CUDAGraphs.")
@@ -164,7 +164,7 @@ def test_arrivals_past_its_bound_shows_new_warnings_every_time():
 
 
 def test_pool_gate_first_time_says_true_when_the_pool_cannot_answer():
-    from pipeline.pool import PoolGate
+    from pipeline.run.pool import PoolGate
 
     gate = PoolGate.__new__(PoolGate)
     gate.counter = None  # no actor: the call fails

@@ -1,6 +1,6 @@
 """The pool's part of the report, from the calls' records: who served what, and who idled."""
 
-from pipeline.report import actor_summaries, pool_summary
+from pipeline.observe.report import actor_summaries, pool_summary
 
 
 def actor(name, calls, rows, serving_s, ready_at, last_end_at):

@@ -13,11 +13,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline import schema
-from pipeline.commits import COMMITS, key_columns, load_commits, row_keys, without
+from pipeline.storage.commits import COMMITS, key_columns, load_commits, row_keys, without
 from pipeline.generation.engine import EngineCrashed
-from pipeline.lease import OutputBusy
-from pipeline.output import STAGING_MARKER, OutputError, OutputTarget, collect_garbage
-from pipeline.sink import ParquetPartsSink
+from pipeline.storage.lease import OutputBusy
+from pipeline.storage.output import STAGING_MARKER, OutputError, OutputTarget, collect_garbage
+from pipeline.storage.sink import ParquetPartsSink
 from tests.unit.fake_engine import FakeEngine
 from tests.unit.test_generate_stage import stages
 from tests.unit.test_sink import JOB, Ctx, block
@@ -117,7 +117,7 @@ def test_commits_are_written_after_their_part_and_read_back(tmp_path):
 
 
 class Gate:
-    """The pool's log, as the stage sees it (`pipeline.pool.PoolGate`)."""
+    """The pool's log, as the stage sees it (`pipeline.run.pool.PoolGate`)."""
 
     def __init__(self):
         self.events, self.held = [], {}

@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from pipeline.commits import commit_part
-from pipeline.lease import Lease, LeaseLost, OutputBusy, OutputLease, Owner
-from pipeline.output import PUBLISHING_MARKER, OutputError, OutputTarget, PublishError
-from pipeline.report import REPORT_NAME
+from pipeline.storage.commits import commit_part
+from pipeline.storage.lease import Lease, LeaseLost, OutputBusy, OutputLease, Owner
+from pipeline.storage.output import PUBLISHING_MARKER, OutputError, OutputTarget, PublishError
+from pipeline.observe.report import REPORT_NAME
 from tests.unit.test_output import JOB, run, stage
 
 
@@ -124,7 +124,7 @@ def _report_run(s3) -> str | None:
 
 def test_a_publish_cut_short_is_finished_by_the_next_run(s3, monkeypatch):
     earlier_output(s3, parts=3)
-    from pipeline import objectstore
+    from pipeline.storage import objectstore
 
     real = objectstore.S3Store.copy_many
 

@@ -40,7 +40,7 @@ def test_conform_drops_working_columns_and_casts():
 
 
 def test_passages_and_annotations_shape_the_output():
-    from pipeline.annotations import check_schema
+    from pipeline.text.annotations import check_schema
 
     fields = check_schema({"type": "object", "properties": {"title": {"type": "string"},
                                                             "tags": {"type": "array", "items": {"type": "string"}}}})

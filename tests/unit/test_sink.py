@@ -6,9 +6,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline import schema
-from pipeline.output import OutputError, OutputTarget
-from pipeline.report import REPORT_NAME, write_beside
-from pipeline.sink import ParquetPartsSink, _block_stats, merge_stats
+from pipeline.storage.output import OutputError, OutputTarget
+from pipeline.observe.report import REPORT_NAME, write_beside
+from pipeline.storage.sink import ParquetPartsSink, _block_stats, merge_stats
 
 
 def block(ids, bucket, call, first_stats=None, status="ok"):
@@ -143,6 +143,6 @@ def test_median_of_counts_matches_the_median_of_the_values(values):
     from collections import Counter
     from statistics import median
 
-    from pipeline.report import median_of_counts
+    from pipeline.observe.report import median_of_counts
 
     assert median_of_counts(dict(Counter(values))) == median(values)

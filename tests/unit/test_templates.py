@@ -7,7 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.config import ConfigError, load_run_config
-from pipeline.inputs import InputError, check_inputs
+from pipeline.storage.inputs import InputError, check_inputs
 from pipeline.stages.prepare import PrepareSettings, PrepareStage, Prompt, PromptRenderer
 
 REPO = Path(__file__).resolve().parents[2]

@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from pipeline.tune.choice import Choice, SweepPoint, choose, find_knee, repeats_agree, stop_reason
-from pipeline.tune.plot import plot_sweep
+from pipeline.tools.tune.choice import Choice, SweepPoint, choose, find_knee, repeats_agree, stop_reason
+from pipeline.tools.tune.plot import plot_sweep
 
 GRID = [1, 2, 4, 8, 16, 32, 64]
 # The case: steep up to 8; from 8 to 16 throughput grows 5% but P99 grows 200 ms.

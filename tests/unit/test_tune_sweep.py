@@ -5,7 +5,7 @@ import time
 import pytest
 
 from pipeline.generation.engine import Completion, Sampling
-from pipeline.tune.sweep import grid, measure, percentile, sweep_bucket
+from pipeline.tools.tune.sweep import grid, measure, percentile, sweep_bucket
 
 
 class FakeEngine:
@@ -66,8 +66,8 @@ def test_out_of_memory_ends_the_sweep_and_is_recorded():
 
 def test_a_noisy_plateau_is_measured_again_before_it_stops_the_sweep(monkeypatch):
     """Seen on CPU: one slow window made batch 32 look 16% slower than 16 and ended the sweep."""
-    from pipeline.tune import sweep
-    from pipeline.tune.choice import SweepPoint
+    from pipeline.tools.tune import sweep
+    from pipeline.tools.tune.choice import SweepPoint
 
     calls = []
 

@@ -1,5 +1,3 @@
-"""Offline stand-ins for the outside world: a tiny model and a synthetic corpus.
-
-Both are deterministic, so tests and `make run` need no network and give the
-same bytes on every machine.
-"""
+"""Offline stand-ins for the outside world: a synthetic corpus with real corpora's length
+distribution, deterministic, so tests and `make run` need no network and give the same
+bytes on every machine. (The tiny model is `pipeline.models.tiny`.)"""

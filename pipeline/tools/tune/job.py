@@ -10,11 +10,11 @@ from typing import Any
 
 
 from pipeline.config import RunConfig
-from pipeline.inputs import InputError
-from pipeline.machine import describe
-from pipeline.tune.choice import SweepPoint
-from pipeline.tune.outputs import TUNE_OUT, write_outputs
-from pipeline.tune.sweep import BucketResult, collect_sample, run_sweep, tuning_engine
+from pipeline.storage.inputs import InputError
+from pipeline.observe.machine import describe
+from pipeline.tools.tune.choice import SweepPoint
+from pipeline.tools.tune.outputs import TUNE_OUT, write_outputs
+from pipeline.tools.tune.sweep import BucketResult, collect_sample, run_sweep, tuning_engine
 
 
 def tune_job(config: RunConfig, out: Path, sample: int = 64, buckets: tuple[str, ...] = (),
@@ -22,8 +22,8 @@ def tune_job(config: RunConfig, out: Path, sample: int = 64, buckets: tuple[str,
              on_point: Callable[[str, SweepPoint], None] | None = None,
              on_stage: Callable[[str], None] | None = None) -> tuple[dict[str, BucketResult], dict[str, Any]]:
     """Sweep the job's buckets on a sample of its input; (results, {meta, paths})."""
-    from pipeline.bucketing import LengthBucketer
-    from pipeline.runner import job_inputs, resolve_model
+    from pipeline.text.bucketing import LengthBucketer
+    from pipeline.run.job import job_inputs, resolve_model
     from pipeline.stages.prepare import context_limit
 
     say = on_stage or (lambda _msg: None)

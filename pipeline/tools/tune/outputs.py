@@ -14,9 +14,9 @@ from rich import box
 from rich.table import Table
 
 from pipeline.config import RunConfig
-from pipeline.ownership import MARK, OwnedFolder, json_mark
-from pipeline.tune.plot import plot_sweep
-from pipeline.tune.sweep import BucketResult
+from pipeline.storage.ownership import MARK, OwnedFolder, json_mark
+from pipeline.tools.tune.plot import plot_sweep
+from pipeline.tools.tune.sweep import BucketResult
 
 CSV_FIELDS = ("bucket", "batch", "throughput", "rows_per_s", "p50_ms", "p99_ms", "ttft_p50_ms",
               "peak_pressure", "preemptions", "oom", "spread", "repeats", "chosen")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 from typing import Any
 
-from pipeline.tune.choice import Choice, SweepPoint
+from pipeline.tools.tune.choice import Choice, SweepPoint
 
 THROUGHPUT, LATENCY, PRESSURE, OOM, CHOSEN = "tab:blue", "tab:orange", "tab:purple", "tab:red", "tab:green"
 

@@ -17,7 +17,7 @@ the same feeder `run` uses (a fixed policy; one recovery path), and records:
 
 A point is measured at least twice, and again (up to four times) until the
 last two windows agree within 10%. The sweep of a bucket stops early by the
-rules in `pipeline.tune.choice` (a plateau seen by a point whose windows spread
+rules in `pipeline.tools.tune.choice` (a plateau seen by a point whose windows spread
 more than 20% is measured once more before it counts); the choice is made
 there too.
 
@@ -42,7 +42,7 @@ from pipeline.generation.feeder import CallOutOfMemory, EngineFeeder
 from pipeline.generation.policy import FixedBatchPolicy
 from pipeline.generation.vllm import VLLMEngine
 from pipeline.schema import Status
-from pipeline.tune.choice import Choice, SweepPoint, choose, repeats_agree, stop_reason
+from pipeline.tools.tune.choice import Choice, SweepPoint, choose, repeats_agree, stop_reason
 
 MIN_REPEATS = 2
 MAX_REPEATS = 4
@@ -176,7 +176,7 @@ def collect_sample(config: RunConfig, inputs: Any, model_path: str, max_model_le
                    per_bucket: int, buckets: set[str] | None = None,
                    max_scan_rows: int = 100_000) -> dict[str, list[list[int]]]:
     """Up to `per_bucket` prompts (token ids) per bucket, through the job's own prepare stage."""
-    from pipeline.plan import prepare_settings
+    from pipeline.run.plan import prepare_settings
     from pipeline.stages.prepare import PrepareStage
 
     prep = PrepareStage(prepare_settings(config, model_path, max_model_len))
@@ -199,7 +199,7 @@ def collect_sample(config: RunConfig, inputs: Any, model_path: str, max_model_le
 
 
 def tuning_engine(config: RunConfig, model_path: str) -> VLLMEngine:
-    from pipeline.plan import vllm_settings
+    from pipeline.run.plan import vllm_settings
 
     engine = config.profile.engine
     extra = {"enable_prefix_caching": False, **engine.extra}
@@ -230,10 +230,10 @@ def run_sweep(config: RunConfig, engine: Engine, sample: dict[str, list[list[int
               latency_slo_p99_ms: float | None,
               on_point: Callable[[str, SweepPoint], None] | None = None) -> dict[str, BucketResult]:
     """Sweep every sampled bucket, shortest first, and choose a batch size for each."""
-    from pipeline.bucketing import LengthBucketer
+    from pipeline.text.bucketing import LengthBucketer
 
     order = LengthBucketer(config.profile.bucketing.boundaries).names
-    from pipeline.plan import sampling_of
+    from pipeline.run.plan import sampling_of
 
     sampling = sampling_of(config.job.sampling)
     limit = min(max_batch or engine.max_num_seqs, engine.max_num_seqs)
