@@ -7,7 +7,6 @@ Nothing here imports Ray or vLLM at start-up, so `pipeline --help` stays fast.
 from __future__ import annotations
 
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from pipeline.config import ConfigDeprecationWarning, ConfigError, RunConfig, load_run_config
+from pipeline.config import ConfigError, load_run_config
 from pipeline.storage.inputs import InputError
 from pipeline.storage.ownership import NotOurs
 from pipeline.schema import FAILED_STATUSES
@@ -39,19 +38,6 @@ def _fail(code: int, message: str) -> None:
     # Plain echo, not rich: the reason must be the last line, unwrapped, for logs and scripts.
     click.echo(f"error: {message}", err=True)
     sys.exit(code)
-
-
-def load_config(*args: Any, **kwargs: Any) -> RunConfig:
-    """load_run_config, with its deprecation warnings as one plain line each."""
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always", ConfigDeprecationWarning)
-        config = load_run_config(*args, **kwargs)
-    for w in seen:
-        if issubclass(w.category, ConfigDeprecationWarning):
-            click.echo(f"warning: {w.message}", err=True)
-        else:
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    return config
 
 
 def summary_table(report: dict[str, Any]) -> Table:
@@ -199,7 +185,7 @@ def run(job: Path, profile: Path, input_path: str | None, output_path: str | Non
     if backup_existing:
         overrides = (*overrides, "output.backup_existing=true")
     try:
-        config = load_config(job, profile, overrides, input_path, output_path, date=date)
+        config = load_run_config(job, profile, overrides, input_path, output_path, date=date)
         watch = Watch(metrics_port=metrics_port, metrics_host=metrics_host, metrics_linger_s=metrics_linger_s,
                       pushgateway=pushgateway, progress=progress_mode, progress_interval_s=progress_interval_s,
                       verbose=verbose)
@@ -266,7 +252,7 @@ def tune(job: Path, profile: Path, input_path: str | None, sample: int, buckets:
         out.print(f"  {bucket} batch {p.batch:>4}: {what}")
 
     try:
-        config = load_config(job, profile, overrides, input_path, None, date=date)
+        config = load_run_config(job, profile, overrides, input_path, None, date=date)
         results, info = tune_job(config, out_dir, sample, buckets, max_batch, slo, on_point=on_point,
                                  on_stage=lambda msg: out.print(f"[dim]{msg}[/dim]"))
     except (ConfigError, InputError, ModelError, NotOurs) as e:

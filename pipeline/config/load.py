@@ -12,12 +12,10 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
-import warnings
-
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from pipeline.config.models import AdaptivePolicy, FixedPolicy, JobConfig, ProfileConfig, RunConfig, TunedPolicy
+from pipeline.config.models import JobConfig, ProfileConfig, RunConfig
 
 
 class ConfigError(ValueError):
@@ -146,111 +144,6 @@ def _fill_date(job: dict[str, Any], date: str | None, job_src: dict[str, str]) -
     return date
 
 
-class ConfigDeprecationWarning(FutureWarning):
-    """A key written the old way: still read, and the warning says the new spelling."""
-
-
-# The flat batching keys that moved under `batching.policy`: old key -> (new key, the
-# policies that take it, the model that checks its value).
-MOVED_TO_POLICY: dict[str, tuple[str, tuple[str, ...], type[BaseModel]]] = {
-    "rows_per_call": ("rows_per_call", ("fixed", "tuned"), FixedPolicy),
-    "tuned_rows": ("rows", ("tuned",), TunedPolicy),
-    "initial_budget_tokens": ("initial_budget_tokens", ("adaptive",), AdaptivePolicy),
-}
-
-
-# Keys that moved as they are: old dotted key -> new dotted key.
-MOVED: dict[str, str] = {
-    "engine.startup_backoff": "engine.restart.startup_backoff",
-    "engine.min_gpu_memory_utilization": "engine.restart.min_gpu_memory_utilization",
-    "batching.bucket_boundaries": "bucketing.boundaries",
-    "batching.bucket_grouping": "bucketing.grouping",
-}
-
-
-def _deprecated(message: str) -> None:
-    warnings.warn(message, ConfigDeprecationWarning, stacklevel=4)
-
-
-def _migrate_moved(data: dict[str, Any], source_of: dict[str, str]) -> None:
-    """Move each key of MOVED written the old way to its new place, with a warning."""
-    for old, new in MOVED.items():
-        *old_path, old_key = old.split(".")
-        node: Any = data
-        for k in old_path:
-            node = node.get(k) if isinstance(node, dict) else None
-        if not isinstance(node, dict) or old_key not in node:
-            continue
-        value, origin = node.pop(old_key), _source(old, source_of)
-        *new_path, new_key = new.split(".")
-        target = data
-        for k in new_path:
-            target = target.setdefault(k, {})
-            if not isinstance(target, dict):
-                raise ConfigError(f"{origin}: {'.'.join(new_path)} is not a section")
-        target[new_key] = value
-        source_of[new] = origin
-        _deprecated(f"{origin}: {old} is the old spelling; write {new}")
-
-
-def _migrate_batching(profile: dict[str, Any], source_of: dict[str, str]) -> None:
-    """Read the old flat spelling of the batch policy (`policy: fixed`, `rows_per_call: 8`
-    beside it) into the new one (`policy: {kind: fixed, rows_per_call: 8}`), with a
-    warning naming where each old key came from. A key for another policy than the
-    one chosen is checked and ignored, as it always was, and now said so."""
-    batching = profile.get("batching")
-    if not isinstance(batching, dict):
-        return
-    policy = batching.get("policy")
-    if isinstance(policy, str):
-        origin = _source("batching.policy", source_of)
-        _deprecated(f"{origin}: batching.policy: {policy} is the old spelling; write batching.policy.kind: {policy}")
-        batching["policy"] = policy = {"kind": policy}
-        source_of["batching.policy.kind"] = origin
-    if not any(old in batching for old in MOVED_TO_POLICY):
-        return
-    if policy is None:
-        batching["policy"] = policy = {"kind": "adaptive"}
-    if not isinstance(policy, dict):
-        return  # validation names what is wrong with it
-    kind = policy.get("kind", "adaptive")
-    for old, (new, kinds, model) in MOVED_TO_POLICY.items():
-        if old not in batching:
-            continue
-        value, origin = batching.pop(old), _source(f"batching.{old}", source_of)
-        if kind in kinds:
-            policy[new] = value
-            source_of[f"batching.policy.{new}"] = origin
-            _deprecated(f"{origin}: batching.{old} is the old spelling; write batching.policy.{new}")
-            continue
-        try:
-            model.model_validate({new: value})
-        except ValidationError as e:
-            err = next(x for x in e.errors() if x["loc"] and x["loc"][0] == new)
-            raise ConfigError(f"{origin}: batching.{old}: {err['msg'].removeprefix('Value error, ')} "
-                              f"(got {value!r})") from None
-        _deprecated(f"{origin}: batching.{old} applies to the {' and '.join(kinds)} policy, "
-                    f"not {kind}: ignored (write it as batching.policy.{new} with that policy)")
-
-
-def _migrate_grouping(profile: dict[str, Any], source_of: dict[str, str]) -> None:
-    """`bucketing.grouping: per_batch` split each Ray Data batch by bucket; `window` does that
-    over a window of prepared rows, and replaces it."""
-    bucketing = profile.get("bucketing")
-    if isinstance(bucketing, dict) and bucketing.get("grouping") == "per_batch":
-        origin = _source("bucketing.grouping", source_of)
-        _deprecated(f"{origin}: bucketing.grouping: per_batch is replaced by window (it streams the same way, "
-                    "over bucketing.window_rows prepared rows)")
-        bucketing["grouping"] = "window"
-
-
-def _migrate(profile: dict[str, Any], source_of: dict[str, str]) -> None:
-    """Every old spelling of a profile key, read into the new one (idempotent)."""
-    _migrate_batching(profile, source_of)
-    _migrate_moved(profile, source_of)
-    _migrate_grouping(profile, source_of)
-
-
 def load_run_config(
     job_file: str | Path,
     profile_file: str | Path,
@@ -264,7 +157,6 @@ def load_run_config(
     job, profile = _read_yaml(job_file), _read_yaml(profile_file)
     job_src: dict[str, str] = {"": str(job_file)}
     profile_src: dict[str, str] = {"": str(profile_file)}
-    _migrate(profile, profile_src)  # the file first, so new-style --set keys find their sections
 
     for items, path in ((["input", "path"], input_path), (["output", "path"], output_path)):
         if path is not None:
@@ -284,7 +176,6 @@ def load_run_config(
                 f"{', '.join(sorted(JOB_SECTIONS))}; profile sections: {', '.join(sorted(PROFILE_SECTIONS))}"
             )
 
-    _migrate(profile, profile_src)  # then old-style --set keys
     filled = _fill_date(job, date, job_src)
     job_cfg = _validate(JobConfig, job, job_src)
     profile_cfg = _validate(ProfileConfig, profile, profile_src)

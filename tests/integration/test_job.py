@@ -113,8 +113,7 @@ def test_cli_prints_a_summary(job_run):
 
 def test_fixed_batches_streaming_grouping(tiny_model, tmp_path):
     """The other paths through the generate stage, on real vLLM: a fixed batch
-    size run as classic batches (drain), and per-batch bucket grouping with no
-    global sort."""
+    size run as classic batches (drain), with blocks of 40 rows."""
     from tests.conftest import REPO
     from tests.integration.conftest import read_run, run_cli
     from pipeline.tools.dev.corpus import write_corpus
@@ -125,7 +124,7 @@ def test_fixed_batches_streaming_grouping(tiny_model, tmp_path):
         "--input", str(corpus), "--output", str(tmp_path / "out"),
         "--set", f"model.name={tiny_model}", "--set", "sampling.max_new_tokens=8",
         "--set", "batching.policy={kind: fixed, rows_per_call: 8}",
-        "--set", "batching.feed=drain", "--set", "bucketing.grouping=per_batch",
+        "--set", "batching.feed=drain", "--set", "bucketing.grouping=window",
         "--set", "batching.generate_batch_rows=40", "--set", "batching.learned_limits=null",
     ))
     assert Counter(run.written.column("id").to_pylist()) == Counter(run.corpus.column("id").to_pylist())

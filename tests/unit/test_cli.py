@@ -6,6 +6,7 @@ import time
 from click.testing import CliRunner
 
 from pipeline.cli import EXIT_BAD_CONFIG, main
+from pipeline.config import load_run_config
 from tests.conftest import REPO
 
 
@@ -77,17 +78,15 @@ def test_an_output_folder_of_foreign_files_exits_2_before_ray_and_keeps_every_by
     assert sorted(os.listdir(tmp_path)) == ["c.parquet", "user"]  # no lock, no staging left
 
 
-def test_an_old_style_profile_runs_with_one_plain_warning_per_moved_key(tmp_path):
-    """bench/results/tune_local/profile.yaml was written by `pipeline tune` before the
-    batch policy became {kind: ...}; it still loads."""
+def test_the_profile_tune_wrote_loads_with_no_warning(tmp_path):
+    """bench/results/tune_local/profile.yaml, as `pipeline tune` writes a profile today."""
     r = CliRunner().invoke(main, ["run", str(REPO / "jobs/nightly_summarize.yaml"), "--profile",
                                   str(REPO / "bench/results/tune_local/profile.yaml"),
                                   "--input", str(tmp_path / "none.parquet")])
     assert r.exit_code == EXIT_BAD_CONFIG and "no such file" in r.output
-    lines = r.output.splitlines()
-    assert any(line.startswith("warning: ") and line.endswith(
-        "batching.policy: tuned is the old spelling; write batching.policy.kind: tuned") for line in lines)
-    assert any(line.endswith("batching.tuned_rows is the old spelling; write batching.policy.rows") for line in lines)
+    assert not any(line.startswith("warning: ") for line in r.output.splitlines())
+    config = load_run_config(REPO / "jobs/nightly_summarize.yaml", REPO / "bench/results/tune_local/profile.yaml")
+    assert config.profile.batching.policy.kind == "tuned" and config.profile.batching.policy.rows["le8192"] == 8
 
 
 def test_gc_lists_then_deletes_a_stopped_run_and_resume_excludes_restart(tmp_path):

@@ -4,7 +4,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from pipeline.config import ConfigDeprecationWarning, ConfigError, load_run_config, parse_override
+from pipeline.config import ConfigError, load_run_config, parse_override
 
 REPO = Path(__file__).resolve().parents[2]
 JOB = REPO / "jobs" / "nightly_summarize.yaml"
@@ -73,8 +73,8 @@ def test_overrides_are_typed_and_named_in_errors():
 
 
 def test_bucket_boundaries_must_increase():
-    with pytest.raises(ConfigError, match="batching.bucket_boundaries.*strictly increasing"):
-        load_run_config(JOB, LOCAL, ["batching.bucket_boundaries=[512, 128]"])
+    with pytest.raises(ConfigError, match="bucketing.boundaries.*strictly increasing"):
+        load_run_config(JOB, LOCAL, ["bucketing.boundaries=[512, 128]"])
 
 
 def test_a_job_file_cannot_hold_profile_sections(tmp_path):
@@ -145,42 +145,6 @@ def test_tuned_policy_needs_rows_per_bucket():
         "policy": "tuned", "memory_target": None, "rows_per_call": 64, "tuned_rows": {"le128": 32, "le256": 16}}
 
 
-def test_the_old_flat_policy_keys_still_work_and_say_the_new_spelling():
-    """`policy: fixed` with `rows_per_call` beside it, as profiles and --set wrote them before."""
-    from pipeline.config import FixedPolicy, TunedPolicy
-
-    with pytest.warns(ConfigDeprecationWarning) as seen:
-        cfg = load_run_config(JOB, LOCAL, ["batching.policy=fixed", "batching.rows_per_call=8"])
-    assert cfg.profile.batching.policy == FixedPolicy(rows_per_call=8)
-    messages = [str(w.message) for w in seen]
-    assert "--set batching.policy=fixed: batching.policy: fixed is the old spelling; write batching.policy.kind: fixed" \
-        in messages
-    assert "--set batching.rows_per_call=8: batching.rows_per_call is the old spelling; write " \
-           "batching.policy.rows_per_call" in messages
-    with pytest.warns(ConfigDeprecationWarning):
-        cfg = load_run_config(JOB, LOCAL, ["batching.policy=tuned", "batching.tuned_rows={le128: 32}"])
-    assert cfg.profile.batching.policy == TunedPolicy(rows={"le128": 32})
-    # A key of another policy is checked, then ignored, as it always was; now the warning says so.
-    with pytest.warns(ConfigDeprecationWarning, match="applies to the fixed and tuned policy, not adaptive: ignored"):
-        assert load_run_config(JOB, LOCAL, ["batching.rows_per_call=8"]).profile.batching.policy.kind == "adaptive"
-    with pytest.raises(ConfigError, match=r"--set batching.rows_per_call=0: batching.rows_per_call: "
-                                          r"Input should be greater than 0 \(got 0\)"):
-        load_run_config(JOB, LOCAL, ["batching.rows_per_call=0"])
-
-
-def test_an_old_style_profile_file_loads_as_the_new_one(tmp_path):
-    old = tmp_path / "old.yaml"
-    old.write_text(LOCAL.read_text().replace("  policy:\n    kind: adaptive\n",
-                                             "  policy: adaptive\n  initial_budget_tokens: 1024\n"))
-    with pytest.warns(ConfigDeprecationWarning, match=f"{old}: batching.initial_budget_tokens is the old spelling"):
-        cfg = load_run_config(JOB, old)
-    assert cfg.profile.batching.policy.initial_budget_tokens == 1024
-    # New-style --set keys reach into the old-style file's policy.
-    with pytest.warns(ConfigDeprecationWarning):
-        assert load_run_config(JOB, old, ["batching.policy.initial_budget_tokens=2048"]).profile.batching.policy \
-            .initial_budget_tokens == 2048
-
-
 def test_fixed_policy_takes_per_bucket_rows():
     from pipeline.generation.policy import FixedBatchPolicy
 
@@ -190,32 +154,23 @@ def test_fixed_policy_takes_per_bucket_rows():
 
 def test_unquoted_off_means_off():
     assert load_run_config(JOB, LOCAL, ["bucketing.grouping=off"]).profile.bucketing.grouping == "off"
-    with pytest.warns(ConfigDeprecationWarning, match="batching.bucket_grouping is the old spelling; write "
-                                                      "bucketing.grouping"):
-        assert load_run_config(JOB, LOCAL, ["batching.bucket_grouping=off"]).profile.bucketing.grouping == "off"
 
 
-def test_the_restart_policy_has_its_own_section_and_the_old_keys_still_work():
+def test_the_restart_policy_has_its_own_section():
     cfg = load_run_config(JOB, LOCAL, ["engine.restart.startup_backoff=0.25"])
     assert cfg.profile.engine.restart.startup_backoff == 0.25
-    with pytest.warns(ConfigDeprecationWarning, match="--set engine.min_gpu_memory_utilization=0.3: "
-                      "engine.min_gpu_memory_utilization is the old spelling; write "
-                      "engine.restart.min_gpu_memory_utilization"):
-        cfg = load_run_config(JOB, LOCAL, ["engine.min_gpu_memory_utilization=0.3"])
-    assert cfg.profile.engine.restart.min_gpu_memory_utilization == 0.3
-    # A bad value written the old way is named the way it was written.
-    with pytest.raises(ConfigError, match=r"--set engine.startup_backoff=2: engine.restart.startup_backoff: "
+    with pytest.raises(ConfigError, match=r"--set engine.restart.startup_backoff=2: engine.restart.startup_backoff: "
                                           r"Input should be less than 1"):
-        load_run_config(JOB, LOCAL, ["engine.startup_backoff=2"])
+        load_run_config(JOB, LOCAL, ["engine.restart.startup_backoff=2"])
 
 
-def test_per_batch_grouping_is_replaced_by_the_streaming_window():
+def test_grouping_streams_by_window_by_default():
     profile = load_run_config(JOB, LOCAL).profile
     assert profile.bucketing.grouping == "window" and profile.bucketing.window_rows == 4096
     assert profile.batching.concurrent_batches == 4 and profile.batching.generate_batch_rows == 128
-    with pytest.warns(ConfigDeprecationWarning, match="per_batch is replaced by window"):
-        assert load_run_config(JOB, LOCAL, ["bucketing.grouping=per_batch"]).profile.bucketing.grouping == "window"
     assert load_run_config(JOB, LOCAL, ["bucketing.grouping=global"]).profile.bucketing.grouping == "global"
+    with pytest.raises(ConfigError, match="bucketing.grouping"):
+        load_run_config(JOB, LOCAL, ["bucketing.grouping=per_batch"])
 
 
 def test_the_transformers_backend_is_checked_before_any_model_loads():
