@@ -54,8 +54,8 @@ def resolve_model(name: str, tiny_model_seed: int | None = None) -> ModelSource:
     built into the cache if it is not there. `NotOurs` or `ModelError`: exit 2."""
     if name in TINY_MODELS:
         folder = cached_tiny_model(name, tiny_model_seed or 0)
-        instead = (f"The cache holds only what this pipeline builds: move that folder away, or set "
-                   f"PIPELINE_CACHE_DIR to another folder.")
+        instead = ("The cache holds only what this pipeline builds: move that folder away, or set "
+                   "PIPELINE_CACHE_DIR to another folder.")
         ensure_tiny_model(folder, tiny_model_seed or 0, TINY_MODELS[name], instead=instead)
         return ModelSource(name, str(folder), "tiny")
     local = Path(name).expanduser()

@@ -56,7 +56,8 @@ from pipeline.generation.policy import (BatchPolicy, BatchSizeController, Contro
                                         static_batch_settings)
 from pipeline.generation.tasks import EngineCalls, annotate, map_reduce, summarize
 from pipeline.generation.hf import HFSettings, TransformersEngine
-from pipeline.generation.vllm import VLLMEngine, VLLMSettings, python_warnings_once
+from pipeline.generation.vllm import VLLMEngine, VLLMSettings
+from pipeline.generation.vllm_logs import python_warnings_once
 from pipeline.text.length import char_span, windows
 from pipeline.observe.metrics import EngineMeter, engine_name
 from pipeline.schema import Status

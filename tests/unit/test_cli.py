@@ -43,9 +43,9 @@ def test_python_dash_m_works():
 
 def test_bad_config_exits_2_with_the_reason_last(tmp_path):
     r = CliRunner().invoke(main, ["run", str(REPO / "jobs/nightly_summarize.yaml"), "--profile",
-                                  str(REPO / "conf/local.yaml"), "--set", "batching.rows_per_call=zero"])
+                                  str(REPO / "conf/local.yaml"), "--set", "batching.policy.rows_per_call=zero"])
     assert r.exit_code == EXIT_BAD_CONFIG
-    assert "batching.rows_per_call" in r.output.strip().splitlines()[-1]
+    assert "batching.policy" in r.output.strip().splitlines()[-1]
 
 
 def test_missing_input_exits_2_before_any_model_loads(tmp_path):

@@ -3,7 +3,8 @@
 import pytest
 
 from pipeline.generation.engine import EngineDead, is_oom
-from pipeline.generation.vllm import VLLMEngine, _root_cause, mentions_memory_failure
+from pipeline.generation.vllm import VLLMEngine
+from pipeline.generation.vllm_logs import mentions_memory_failure, root_cause
 
 # What vLLM 0.32's CPU backend logs when gpu_memory_utilization asks for too much.
 CPU_STARTUP_LOG = """\
@@ -17,16 +18,16 @@ exception in a background process. See stack trace for root cause.
 
 
 def test_the_memory_failure_is_the_root_cause_not_the_wrapper():
-    cause = _root_cause(CPU_STARTUP_LOG)
+    cause = root_cause(CPU_STARTUP_LOG)
     assert cause.startswith("ValueError: Available memory on node 0")
     assert mentions_memory_failure(cause)
 
 
 def test_other_start_up_failures_are_not_memory():
     log = "(EngineCore pid=1) ERROR [core.py:1] ValueError: Model architectures ['Foo'] are not supported\n"
-    cause = _root_cause(log)
+    cause = root_cause(log)
     assert cause.startswith("ValueError: Model architectures") and not mentions_memory_failure(cause)
-    assert _root_cause("all fine\n") is None
+    assert root_cause("all fine\n") is None
 
 
 def test_gpu_messages_are_memory_failures():

@@ -91,7 +91,7 @@ def test_a_dead_engine_is_rebuilt_and_no_row_is_lost(tiny_model):
                        "source": ["email"] * 60})
     prepare, generate = stages(tiny_model, "jobs/nightly_summarize.yaml",
                                ["debug.inject_oom_at_batch=2", "debug.inject_oom_kind=engine_oom_death",
-                                "batching.initial_budget_tokens=400"], engine)
+                                "batching.policy.initial_budget_tokens=400"], engine)
     out = generate(prepare(corpus))
     assert out.column("status").to_pylist() == ["ok"] * 60
     totals = json.loads(out.column(schema.ENGINE_CALL_STATS)[0].as_py())[-1]["actor"]

@@ -3,7 +3,7 @@
 import logging
 import os
 
-from pipeline.generation.vllm import EngineLogTee, WarningFilter, WarningLines, warning_key
+from pipeline.generation.vllm_logs import EngineLogTee, WarningFilter, WarningLines, warning_key
 from pipeline.run.pool import _Arrivals
 
 ENGINE_A = ("(MapWorker(MapBatches(GenerateStage)) pid=28484) (EngineCore pid=29308) WARNING 12-01 02:36:15 "
@@ -140,7 +140,7 @@ def test_the_logging_filter_shows_a_warning_once_and_every_error():
 def test_the_logging_filter_key_matches_the_line_key():
     record = logging.LogRecord("vllm.config", logging.WARNING, "/x/vllm/config/vllm.py", 1703,
                                "Enforce eager set, %s.", ("disabling torch.compile and CUDAGraphs",), None)
-    from pipeline.generation.vllm import record_key
+    from pipeline.generation.vllm_logs import record_key
 
     assert record_key(record) == warning_key(ENGINE_A)
 
@@ -175,7 +175,7 @@ def test_python_warnings_are_shown_once_per_run_whatever_the_process():
     import io
     import warnings
 
-    from pipeline.generation.vllm import python_warnings_once
+    from pipeline.generation.vllm_logs import python_warnings_once
 
     seen: set[str] = set()
 
