@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -80,6 +80,47 @@ class Request:
     ids: list[int]
     cost: int  # prompt tokens + max new tokens: its share of the budget
     first_submitted: float | None = None
+
+
+class InFlight:
+    """What the engine is running: each request id's call and request, with their total
+    cost in tokens and each call's count, kept here and nowhere else."""
+
+    def __init__(self) -> None:
+        self._items: dict[str, tuple[_Call, Request]] = {}
+        self._per_call: Counter[int] = Counter()
+        self.cost = 0
+
+    def add(self, request_id: str, call: _Call, r: Request) -> None:
+        self._items[request_id] = (call, r)
+        self._per_call[id(call)] += 1
+        self.cost += r.cost
+
+    def pop(self, request_id: str) -> tuple[_Call, Request]:
+        call, r = self._items.pop(request_id)
+        self._per_call[id(call)] -= 1
+        if not self._per_call[id(call)]:
+            del self._per_call[id(call)]  # a long run opens thousands of calls
+        self.cost -= r.cost
+        return call, r
+
+    def clear(self) -> None:
+        self._items.clear()
+        self._per_call.clear()
+        self.cost = 0
+
+    def of(self, call: _Call) -> int:
+        """The call's rows among those in flight."""
+        return self._per_call[id(call)]
+
+    def ids(self) -> list[str]:
+        return list(self._items)
+
+    def entries(self) -> list[tuple[_Call, Request]]:
+        return list(self._items.values())
+
+    def __len__(self) -> int:
+        return len(self._items)
 
 
 @dataclass
@@ -172,9 +213,7 @@ class EngineFeeder:
         self._calls: list[_Call] = []  # open calls, oldest first
         self._driving = False
         self._serving_since: float | None = None
-        # Shared by the open calls: what the engine is running, and its cost in tokens.
-        self.in_flight: dict[str, tuple[_Call, Request]] = {}
-        self.in_flight_cost = 0
+        self.in_flight = InFlight()  # shared by the open calls: what the engine is running
         self._mark = time.monotonic()  # since when requests have been in flight
         self._bucket: str | None = None  # the bucket whose rows the engine is running
         # Each policy step and preemption goes to the report once, with the call that ends next.
@@ -191,8 +230,14 @@ class EngineFeeder:
         costs its rows times its longest row: a long row admitted into short ones costs
         what its padding makes of them."""
         if not getattr(self.engine, "pads_batches", False):
-            return self.in_flight_cost + r.cost
-        return (len(self.in_flight) + 1) * max(r.cost, max((q.cost for _, q in self.in_flight.values()), default=0))
+            return self.in_flight.cost + r.cost
+        return (len(self.in_flight) + 1) * max(r.cost, max((q.cost for _, q in self.in_flight.entries()), default=0))
+
+    def open_calls(self) -> list[tuple[str, int, int]]:
+        """(bucket, rows in flight, rows allowed) of each open call, oldest first: a moment's
+        view, safe to read from another thread."""
+        with self._cv:
+            return [(c.bucket, c.in_flight, c.max_rows) for c in self._calls]
 
     def stalled_s(self) -> float:
         """How long the engine step now running has run; 0 between steps."""
@@ -288,12 +333,9 @@ class EngineFeeder:
         if isinstance(error, EngineDead) and not error.memory:
             raise EngineCrashed(f"the engine core died ({error}), not of memory") from error
         oom = is_oom(error)
-        victims = sorted(self.in_flight.values(), key=lambda v: v[1].position)
-        self.restore(error, list(self.in_flight))
+        victims = sorted(self.in_flight.entries(), key=lambda v: v[1].position)
+        self.restore(error, self.in_flight.ids())
         self.in_flight.clear()
-        self.in_flight_cost = 0
-        for c in calls:
-            c.in_flight = 0
         if oom and self.stop_on_oom:
             raise CallOutOfMemory(f"{type(error).__name__}: {error}") from error
         affected = [c for c in calls if any(v[0] is c for v in victims)]
@@ -342,7 +384,6 @@ class EngineFeeder:
         now = time.monotonic()
         for request_id, c in finished:
             call, r = self.in_flight.pop(request_id)
-            self.in_flight_cost -= r.cost
             call.completed(r, c, now)
 
     # 4. Calls that are done ------------------------------------------------------------
@@ -371,7 +412,6 @@ class EngineFeeder:
                     c.failure, c.done = error, True
             self._calls.clear()
             self.in_flight.clear()
-            self.in_flight_cost = 0
             self._cv.notify_all()
 
     # Windows and what goes to the report -----------------------------------------------
@@ -428,7 +468,6 @@ class _Call:
             Request(pos, ids, len(ids) + sampling.max_new_tokens) for pos, ids in rows)
         self.tokens_per_row = sum(r.cost for r in self.queue) / max(len(self.queue), 1)
         self.results: dict[int, Completion] = {}
-        self.in_flight = 0  # this call's rows among the feeder's
         self.steps = self.output_tokens = self.rejected = 0
         self.busy_s = self.step_s = 0.0
         # Fill: rows in flight over rows allowed, weighted by time. It is what
@@ -444,6 +483,11 @@ class _Call:
         self.done = False
         self.outcome: ServeResult | None = None
         self.failure: BaseException | None = None
+
+    @property
+    def in_flight(self) -> int:
+        """This call's rows among the feeder's."""
+        return self.feeder.in_flight.of(self)
 
     def begin(self) -> None:
         """The first time the driver sees this call: its clock and first window start."""
@@ -491,9 +535,7 @@ class _Call:
             return
         if r.first_submitted is None:
             r.first_submitted = now
-        feeder.in_flight[request_id] = (self, r)
-        feeder.in_flight_cost += r.cost
-        self.in_flight += 1
+        feeder.in_flight.add(request_id, self, r)
 
     def fail_alone(self, r: Request, oom: bool, error: Exception) -> None:
         reason = "out of memory with this row alone in the engine" if oom else "the engine failed on this row alone"
@@ -511,7 +553,6 @@ class _Call:
         self.steps += 1
 
     def completed(self, r: Request, c: Completion, now: float) -> None:
-        self.in_flight -= 1
         self.results[r.position] = Completion(c.text, c.output_tokens, now - (r.first_submitted or now),
                                               c.finish_reason, first_token_s=c.first_token_s, finished_at=now)
         self.suspects.discard(r.position)

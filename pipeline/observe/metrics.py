@@ -92,9 +92,9 @@ class EngineMeter:
     def snapshot(self) -> dict[str, Any]:
         in_flight: Counter[str] = Counter()
         if self.feeder is not None:
-            for call in list(getattr(self.feeder, "_calls", [])):  # read across threads: a moment's view
-                in_flight[call.bucket] += call.in_flight
-                self.budget_rows[call.bucket] = call.max_rows
+            for bucket, rows, allowed in self.feeder.open_calls():
+                in_flight[bucket] += rows
+                self.budget_rows[bucket] = allowed
         backoffs: Counter[str] = Counter()
         if self.policy is not None:
             for bucket in list(self.budget_rows):

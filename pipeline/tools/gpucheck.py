@@ -34,13 +34,10 @@ from pipeline.generation.engine import Sampling
 from pipeline.generation.feeder import EngineFeeder
 from pipeline.generation.policy import BatchSizeController, ControllerSettings, static_batch_settings
 from pipeline.storage.ownership import MARK, NotOurs, OwnedFile, marked_json, png_software
+from pipeline.text.bucketing import LengthBucketer
 
-BOUNDARIES = (128, 256, 512, 1024, 2048, 4096)
+BUCKETS = LengthBucketer((128, 256, 512, 1024, 2048, 4096))
 BAND = (0.85, 0.95)
-
-
-def bucket_name(tokens: int, boundaries: tuple[int, ...] = BOUNDARIES) -> str:
-    return next((f"le{b}" for b in boundaries if tokens <= b), f"gt{boundaries[-1]}")
 
 
 def synthetic_corpus(rows: int, vocab: int, seed: int = 0, median: int = 300, sigma: float = 0.9,
@@ -64,8 +61,8 @@ def run_check(engine: Any, prompts: list[list[int]], max_new_tokens: int = 32, t
     sampling = Sampling(max_new_tokens=max_new_tokens)
     by_bucket: dict[str, list[tuple[int, list[int]]]] = {}
     for i, ids in enumerate(prompts):
-        by_bucket.setdefault(bucket_name(len(ids)), []).append((i, ids))
-    order = sorted(by_bucket, key=lambda b: int(b[2:]))
+        by_bucket.setdefault(BUCKETS.name(len(ids)), []).append((i, ids))
+    order = sorted(by_bucket, key=BUCKETS.names.index)
 
     def phase(name: str, settings: ControllerSettings, buckets: dict[str, list[tuple[int, list[int]]]],
               initial: int | None = None) -> dict[str, Any]:

@@ -126,11 +126,6 @@ def fake_vllm_families(names: set[str], registered: dict[str, str]) -> list[dict
     return vllm_families(registry)
 
 
-class _Call:
-    def __init__(self, bucket: str, in_flight: int, max_rows: int):
-        self.bucket, self.in_flight, self.max_rows = bucket, in_flight, max_rows
-
-
 class _Totals:
     oom_retries = 1
 
@@ -139,8 +134,10 @@ class _Totals:
 
 
 class _Feeder:
-    _calls = [_Call("short", 12, 64), _Call("long", 3, 8)]
     totals = _Totals()
+
+    def open_calls(self) -> list[tuple[str, int, int]]:
+        return [("short", 12, 64), ("long", 3, 8)]
 
 
 class _Policy:

@@ -28,10 +28,9 @@ class Policy:
 
 
 def meter(engine="e1", incarnation="i1", sent=None):
-    calls = [SimpleNamespace(bucket="le256", in_flight=5, max_rows=12), SimpleNamespace(bucket="le512", in_flight=0,
-                                                                                      max_rows=4)]
+    calls = [("le256", 5, 12), ("le512", 0, 4)]
     totals = FeederTotals(busy_s=3.0, first_start=0.0, last_end=4.0, oom_retries=1)
-    feeder = SimpleNamespace(_calls=calls, totals=totals)
+    feeder = SimpleNamespace(open_calls=lambda: calls, totals=totals)
     vllm = [{"name": "vllm:num_requests_running", "type": "gauge", "doc": "running",
              "samples": [("vllm:num_requests_running", {"engine": "0", "model_name": "tiny"}, 5.0)]}]
     return EngineMeter(engine, incarnation, "node-a", lambda who, snap: (sent or []).append((who, snap)),
