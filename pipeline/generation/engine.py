@@ -18,7 +18,7 @@ recognise an error by its class name:
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 
@@ -51,6 +51,40 @@ class Sampling:
                        json_schema=json_schema if json_schema is not None else self.json_schema)
 
 
+@dataclass
+class PaddingTotals:
+    """Prompt tokens as the batches ran them (padded) against the rows' own."""
+
+    padded: int = 0
+    real: int = 0
+    batches: int = 0
+    by_bucket: dict[str, list[int]] = field(default_factory=dict)  # bucket -> [padded, real]
+
+    def add(self, padded: int, real: int, bucket: str | None = None) -> None:
+        self.padded += padded
+        self.real += real
+        self.batches += 1
+        if bucket is not None:
+            pair = self.by_bucket.setdefault(bucket, [0, 0])
+            pair[0] += padded
+            pair[1] += real
+
+    def since(self, padded: int, real: int) -> tuple[int, int]:
+        """(padded, real) added since the totals were (padded, real)."""
+        return self.padded - padded, self.real - real
+
+    @staticmethod
+    def fraction(padded: int, real: int) -> float:
+        """The share of the prompt tokens run that were padding."""
+        return 0.0 if padded <= 0 else round((padded - real) / padded, 4)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"padded_tokens": self.padded, "real_tokens": self.real, "batches": self.batches,
+                "padding_fraction": self.fraction(self.padded, self.real),
+                "by_bucket": {b: {"padded_tokens": p, "real_tokens": r, "padding_fraction": self.fraction(p, r)}
+                              for b, (p, r) in self.by_bucket.items()}}
+
+
 class EngineDead(RuntimeError):
     """The engine cannot run any more (its core process is gone). `memory`: the core said
     why, and it was memory; the caller rebuilds it smaller. Otherwise it crashed (or was
@@ -81,10 +115,14 @@ def is_oom(error: BaseException) -> bool:
 
 
 class Engine(Protocol):
-    """A steppable engine. `max_num_seqs` is how many requests it runs at once (it queues
-    the rest itself); `max_model_len` is the longest prompt plus output it takes;
-    `kv_cache_tokens` its KV-cache capacity where it has one. The start-up and
-    rebuild records are for the report."""
+    """A steppable engine: what the feeder, the generate stage and the metrics call, and
+    nothing more (`tests/unit/test_engine_protocol.py` checks that both engines have
+    every member). `max_num_seqs` is how many requests it runs at once (it queues the
+    rest itself); `max_model_len` is the longest prompt plus output it takes;
+    `kv_cache_tokens` its KV-cache capacity where it has one. `pads_batches`: it runs
+    each batch padded to its longest prompt (static batches), so the feeder charges a
+    batch its rows times its longest; `padding` is then what that cost, else None. The
+    start-up and rebuild records are for the report."""
 
     max_num_seqs: int
     max_model_len: int
@@ -92,6 +130,8 @@ class Engine(Protocol):
     startup_s: float
     startup_attempts: list[dict[str, Any]]
     rebuilds: list[dict[str, Any]]
+    pads_batches: bool
+    padding: PaddingTotals | None
 
     def submit(self, prompt_token_ids: list[int], sampling: Sampling) -> str:
         """Queue one request; raises if the engine refuses it (too long, say)."""
@@ -111,8 +151,13 @@ class Engine(Protocol):
         """Replace a dead engine with one that asks for less memory."""
         ...
 
-    def kill_core(self) -> None:
-        """Fault injection: end the engine's core abruptly, as the kernel's OOM killer would."""
+    def kill_core(self, memory: bool = False) -> None:
+        """Fault injection and the stall watchdog: end the engine's core abruptly, as the
+        kernel's OOM killer would (`memory`: as if it died of memory)."""
+        ...
+
+    def metric_families(self) -> list[dict[str, Any]]:
+        """The engine's own Prometheus metric families, as plain data ([] if it has none)."""
         ...
 
     def close(self) -> None:

@@ -33,10 +33,10 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter, deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pipeline.generation.engine import Completion, Engine, EngineCrashed, EngineDead, Sampling, is_oom
+from pipeline.generation.engine import Completion, Engine, EngineCrashed, EngineDead, PaddingTotals, Sampling, is_oom
 from pipeline.generation.memory import MemoryProbe
 from pipeline.generation.policy.base import BatchPolicy, Observation
 
@@ -148,6 +148,7 @@ class FeederTotals:
     oom_retries: int = 0
     bisections: int = 0
     calls: int = 0
+    padding: PaddingTotals = field(default_factory=PaddingTotals)  # a padding engine's, by bucket
     requests: int = 0  # rows served by every call: annotations and map-reduce levels too
     output_tokens: int = 0
     serving_s: float = 0.0  # time with at least one call waiting on this engine; the rest waited for input
@@ -229,7 +230,7 @@ class EngineFeeder:
         batches: `pads_batches`) runs every row at the batch's longest, so there the batch
         costs its rows times its longest row: a long row admitted into short ones costs
         what its padding makes of them."""
-        if not getattr(self.engine, "pads_batches", False):
+        if not self.engine.pads_batches:
             return self.in_flight.cost + r.cost
         return (len(self.in_flight) + 1) * max(r.cost, max((q.cost for _, q in self.in_flight.entries()), default=0))
 
@@ -280,6 +281,8 @@ class EngineFeeder:
                 self._mark = time.monotonic()
                 self._finish(calls)
                 continue
+            padding = self.engine.padding
+            before = (padding.padded, padding.real) if padding is not None else None
             step_start = self._step_started = time.monotonic()
             try:
                 self.faults.check(self.totals.windows, self.engine)
@@ -289,6 +292,9 @@ class EngineFeeder:
                 continue
             finally:
                 self._step_started = None
+            if padding is not None and before is not None:  # the batch was the oldest call's bucket
+                bucket = next((c.bucket for c in calls if c.in_flight), "unknown")
+                self.totals.padding.add(*padding.since(*before), bucket=bucket)
             self._stepped(step_start, calls)
             self._complete(finished)
             reading = self.probe.read()  # after every step: KV usage reads 0 once requests finish

@@ -36,10 +36,10 @@ import os
 from collections import deque
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from pipeline.generation.engine import Completion, Sampling, is_oom
+from pipeline.generation.engine import Completion, PaddingTotals, Sampling, is_oom
 
 GIB = 2**30
 CALIBRATION_BATCHES = 3
@@ -57,36 +57,6 @@ class HFSettings:
     memory_budget_gib: float | None = None  # the memory this engine may use; CPU: required
     memory_fraction: float = 1.0  # CUDA without a budget: this share of the device
     seed: int | None = None
-
-
-@dataclass
-class PaddingTotals:
-    """Prompt tokens as the batches ran them (padded) against the rows' own."""
-
-    padded: int = 0
-    real: int = 0
-    batches: int = 0
-    by_bucket: dict[str, list[int]] = field(default_factory=dict)  # bucket -> [padded, real]
-
-    def add(self, padded: int, real: int, bucket: str | None = None) -> None:
-        self.padded += padded
-        self.real += real
-        self.batches += 1
-        if bucket is not None:
-            pair = self.by_bucket.setdefault(bucket, [0, 0])
-            pair[0] += padded
-            pair[1] += real
-
-    @staticmethod
-    def fraction(padded: int, real: int) -> float:
-        """The share of the prompt tokens run that were padding."""
-        return 0.0 if padded <= 0 else round((padded - real) / padded, 4)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"padded_tokens": self.padded, "real_tokens": self.real, "batches": self.batches,
-                "padding_fraction": self.fraction(self.padded, self.real),
-                "by_bucket": {b: {"padded_tokens": p, "real_tokens": r, "padding_fraction": self.fraction(p, r)}
-                              for b, (p, r) in self.by_bucket.items()}}
 
 
 def padded_tokens(batches: list[list[int]]) -> tuple[int, int]:
@@ -166,8 +136,7 @@ class TransformersEngine:
         self.startup_attempts: list[dict[str, Any]] = [{"device": device, "weights_gib": round(
             self.weights_bytes / GIB, 3), "budget_gib": round(self.budget_bytes / GIB, 3)}]
         self.rebuilds: list[dict[str, Any]] = []
-        self.padding = PaddingTotals()
-        self.bucket_of: Any = None  # prompt tokens -> bucket name, for the padding by bucket
+        self.padding = PaddingTotals()  # by bucket: the feeder, which knows each batch's bucket
         self.peaks: deque[dict[str, Any]] = deque(maxlen=100_000)  # per batch: rows, padded length, pressure
         self._queue: dict[str, tuple[list[int], Sampling]] = {}
         self._ids = itertools.count()
@@ -267,8 +236,7 @@ class TransformersEngine:
             if self.cuda:
                 self.device_api.empty_cache()  # what the failed batch held, back for the retry
             raise
-        self.padding.add(rows * longest, sum(len(ids) for _, ids, _ in group),
-                         self.bucket_of(longest) if self.bucket_of is not None else None)
+        self.padding.add(rows * longest, sum(len(ids) for _, ids, _ in group))
         self.peaks.append({"rows": rows, "padded_len": longest, "new_tokens": new, "pressure": round(self._pressure, 4),
                            "s": round(time.monotonic() - started, 4)})
         start = 1 if self.encoder_decoder else longest  # a decoder's output repeats its prompt
@@ -318,6 +286,10 @@ class TransformersEngine:
     def rebuild(self, reason: str) -> None:
         """Nothing runs apart from this process: an out-of-memory leaves the model usable."""
         self.rebuilds.append({"reason": reason, "at": time.time(), "action": "none"})
+
+    def metric_families(self) -> list[dict[str, Any]]:
+        """transformers keeps no Prometheus metrics of its own."""
+        return []
 
     def kill_core(self, memory: bool = False) -> None:
         """There is no core process apart from this one: a hung step ends with the actor."""

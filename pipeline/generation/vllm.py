@@ -67,6 +67,9 @@ class VLLMEngine:
     engine; None shows them all.
     """
 
+    pads_batches = False  # continuous batching: a row costs its own tokens
+    padding = None
+
     def __init__(self, settings: VLLMSettings, warn_once: WarnOnce | None = None):
         if settings.cpu_kvcache_space_gib is not None:
             # Read by the CPU backend when the engine core starts.

@@ -206,11 +206,7 @@ class GenerateStage:
 
     def _build_engine(self, settings: GenerateSettings, warn_once: Any) -> Engine:
         if settings.backend == "transformers" and settings.hf is not None:
-            engine = TransformersEngine(settings.hf)
-            # Its padding, by the bucket of each batch's longest prompt (a batch is one bucket,
-            # unless grouping is off).
-            engine.bucket_of = (lambda tokens: "mixed") if self.grouping == "off" else self.bucketer.name
-            return engine
+            return TransformersEngine(settings.hf)
         return VLLMEngine(settings.engine, warn_once=warn_once)
 
     def _meter(self, gate: Any) -> EngineMeter | None:
@@ -219,12 +215,12 @@ class GenerateStage:
             return None
         meter = EngineMeter(engine_name(self.life.key), self.actor, self.placement["host"], gate.meter,
                             feeder=self.feeder, policy=self.policy, kv_usage=lambda: self.engine.kv_gauges()[0],
-                            vllm=getattr(self.engine, "metric_families", None))
+                            vllm=self.engine.metric_families)
         meter.start()
         return meter
 
-    def _kill_core(self) -> Callable[[], None] | None:
-        return getattr(self.engine, "kill_core", None)
+    def _kill_core(self) -> Callable[[], None]:
+        return self.engine.kill_core
 
     def engine_info(self) -> dict[str, Any]:
         return {
@@ -256,7 +252,8 @@ class GenerateStage:
             "bisections": t.bisections,
             "rebuilds": self.engine.rebuilds,
             "learned": self.policy.learned_limits(),
-            **({"padding": self.engine.padding.to_json()} if hasattr(self.engine, "padding") else {}),
+            # Padding by the bucket of each batch: the feeder's record (it knows the buckets).
+            **({"padding": t.padding.to_json()} if self.engine.pads_batches else {}),
         }
 
     def _summarize_chunked(self, rows: dict[int, dict[str, Any]], pieces: dict[int, list[str]],

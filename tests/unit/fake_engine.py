@@ -23,6 +23,8 @@ class FakeEngine:
 
     max_num_seqs = 256
     max_model_len = 4096
+    pads_batches = False
+    padding = None
 
     def __init__(self, steps_per_request=3, oom_when_in_flight=None, capacity_tokens=10_000, vary=False,
                  reply: Callable[[list[int], Sampling], str] = default_reply):
@@ -80,6 +82,9 @@ class FakeEngine:
 
     def kill_core(self, memory=False):
         self.dead, self.dead_of_memory = True, memory
+
+    def metric_families(self):
+        return []
 
     def rebuild(self, reason):
         before = self.max_num_seqs

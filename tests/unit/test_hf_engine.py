@@ -127,6 +127,9 @@ class FakeDevice:
     def kill_core(self, memory=False):
         pass
 
+    def metric_families(self):
+        return []
+
     def close(self):
         pass
 

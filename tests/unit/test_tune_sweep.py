@@ -11,6 +11,9 @@ from pipeline.tools.tune.sweep import grid, measure, percentile, sweep_bucket
 class FakeEngine:
     """Each step finishes every request in flight with 4 tokens; out of memory past `oom_at` in flight."""
 
+    pads_batches = False
+    padding = None
+
     def __init__(self, oom_at=None):
         self.oom_at = oom_at
         self.in_flight: list[str] = []
