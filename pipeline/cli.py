@@ -7,6 +7,8 @@ Nothing here imports Ray or vLLM at start-up, so `pipeline --help` stays fast.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +40,58 @@ def _fail(code: int, message: str) -> None:
     # Plain echo, not rich: the reason must be the last line, unwrapped, for logs and scripts.
     click.echo(f"error: {message}", err=True)
     sys.exit(code)
+
+
+@contextmanager
+def exit_codes() -> Iterator[None]:
+    """What a command raises, as the exit codes above, the reason as the last line: a
+    wrong config, input, model or path is 2 (nothing ran); a run that stopped with its
+    rows kept is 1, as is anything else (with a short traceback first)."""
+    from pipeline.models.source import ModelError
+    from pipeline.run.job import RunStopped
+    from pipeline.storage.lease import OutputBusy
+    from pipeline.storage.output import OutputError, PublishError
+
+    try:
+        yield
+    except (ConfigError, InputError, OutputError, OutputBusy, ModelError, NotOurs) as e:
+        _fail(EXIT_BAD_CONFIG, str(e))
+    except (PublishError, RunStopped) as e:  # its rows wait in its staging
+        _fail(EXIT_FAILED, str(e))
+    except KeyboardInterrupt:
+        _fail(EXIT_FAILED, "interrupted")
+    except Exception as e:  # infrastructure: the one-line reason goes last
+        console.print_exception(max_frames=5)
+        _fail(EXIT_FAILED, f"{type(e).__name__}: {e}")
+
+
+def job_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """JOB, --profile, --input, --set and --date: what `run` and `tune` both take."""
+    for option in reversed([
+        click.argument("job", type=click.Path(dir_okay=False, path_type=Path)),
+        click.option("--profile", "-p", required=True, type=click.Path(dir_okay=False, path_type=Path),
+                     help="Where and how it runs: conf/local.yaml (CPU, tiny model) or conf/gpu.yaml; tune uses "
+                          "its model, engine and memory target as they are."),
+        click.option("--input", "input_path",
+                     help="Override the job's input path (file, folder, glob or URI); tune reads a sample of it."),
+        click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+                     help="Override any config field by its dotted name, e.g. --set sampling.max_new_tokens=32 "
+                          "or --set batching.memory_target=0.85. Repeatable."),
+        click.option("--date", metavar="YYYY-MM-DD",
+                     help="The day for a job whose paths hold {date} (jobs/nightly_summarize.yaml). "
+                          "Default: yesterday, UTC."),
+    ]):
+        command = option(command)
+    return command
+
+
+def check_error_rate(report: dict[str, Any], limit: float | None) -> None:
+    """Exit 3 when more rows failed (error, empty_output) than `limit` allows."""
+    failed = {s: n for s, n in report["status"].items() if s in FAILED_STATUSES and n}
+    errors, rows = sum(failed.values()), report["rows_out"]
+    if limit is not None and rows and errors / rows > limit:
+        _fail(EXIT_ERROR_RATE, f"{errors} of {rows} rows ended in {' or '.join(sorted(failed))} "
+                               f"({errors / rows:.2%}), above --fail-on-error-rate {limit}")
 
 
 def summary_table(report: dict[str, Any]) -> Table:
@@ -99,14 +153,8 @@ def main() -> None:
 
 
 @main.command()
-@click.argument("job", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--profile", "-p", required=True, type=click.Path(dir_okay=False, path_type=Path),
-              help="Where and how to run: conf/local.yaml (CPU, tiny model) or conf/gpu.yaml.")
-@click.option("--input", "input_path", help="Override the job's input path (file, folder, glob or URI).")
+@job_options
 @click.option("--output", "output_path", help="Override the job's output folder.")
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
-              help="Override any config field by its dotted name, e.g. --set sampling.max_new_tokens=32 "
-                   "or --set batching.memory_target=0.85. Repeatable.")
 @click.option("--on-bad-file", type=click.Choice(["fail", "skip"]), default=None,
               help="A corrupt file, or one missing the id or text column: stop (default) or skip it "
                    "and list it in the report.")
@@ -115,9 +163,6 @@ def main() -> None:
                    "move it aside to PATH.backup-<UTC time> when the run publishes, instead of refusing to run.")
 @click.option("--fail-on-error-rate", type=click.FloatRange(0.0, 1.0), default=None, metavar="X",
               help="Exit 3 when more than this share of rows failed: status error or empty_output (e.g. 0.01).")
-@click.option("--date", metavar="YYYY-MM-DD",
-              help="The day for a job whose paths hold {date} (jobs/nightly_summarize.yaml). "
-                   "Default: yesterday, UTC.")
 @click.option("--resume", is_flag=True, default=False,
               help="Continue the stopped run of this job and output (killed, or failed with rows committed): "
                    "its committed rows are kept, not generated again. With none stopped, a fresh run.")
@@ -139,9 +184,9 @@ def main() -> None:
               help="Off a terminal: one progress line this often.")
 @click.option("--verbose", "-v", is_flag=True, default=False,
               help="Also Ray's own progress output, and every engine's warnings (not just the first of each).")
-def run(job: Path, profile: Path, input_path: str | None, output_path: str | None,
-        overrides: tuple[str, ...], on_bad_file: str | None, backup_existing: bool,
-        fail_on_error_rate: float | None, date: str | None, resume: bool, restart: bool,
+def run(job: Path, profile: Path, input_path: str | None, overrides: tuple[str, ...], date: str | None,
+        output_path: str | None, on_bad_file: str | None, backup_existing: bool,
+        fail_on_error_rate: float | None, resume: bool, restart: bool,
         metrics_port: int | None, metrics_host: str, metrics_linger_s: float, pushgateway: str | None,
         progress_mode: str, progress_interval_s: float, verbose: bool) -> None:
     """Run JOB over its input and write summaries to its output folder.
@@ -171,11 +216,8 @@ def run(job: Path, profile: Path, input_path: str | None, output_path: str | Non
     --fail-on-error-rate (error and empty_output rows count); 1 on any other
     failure. The last line says why.
     """
-    from pipeline.storage.lease import OutputBusy
     from pipeline.observe.metrics import Watch
-    from pipeline.models.source import ModelError
-    from pipeline.storage.output import OutputError, PublishError
-    from pipeline.run.job import RunStopped, run_job
+    from pipeline.run.job import run_job
 
     if resume and restart:
         _fail(EXIT_BAD_CONFIG, "--resume and --restart exclude each other: continue the stopped run, or discard it")
@@ -184,36 +226,19 @@ def run(job: Path, profile: Path, input_path: str | None, output_path: str | Non
         overrides = (*overrides, f"input.on_bad_file={on_bad_file}")
     if backup_existing:
         overrides = (*overrides, "output.backup_existing=true")
-    try:
+    watch = Watch(metrics_port=metrics_port, metrics_host=metrics_host, metrics_linger_s=metrics_linger_s,
+                  pushgateway=pushgateway, progress=progress_mode, progress_interval_s=progress_interval_s,
+                  verbose=verbose)
+    with exit_codes():
         config = load_run_config(job, profile, overrides, input_path, output_path, date=date)
-        watch = Watch(metrics_port=metrics_port, metrics_host=metrics_host, metrics_linger_s=metrics_linger_s,
-                      pushgateway=pushgateway, progress=progress_mode, progress_interval_s=progress_interval_s,
-                      verbose=verbose)
         report = run_job(config, stopped="resume" if resume else "restart" if restart else "refuse",
                          watch=watch).to_json()
-    except (ConfigError, InputError, OutputError, OutputBusy, ModelError, NotOurs) as e:
-        _fail(EXIT_BAD_CONFIG, str(e))
-    except (PublishError, RunStopped) as e:  # its rows wait in its staging
-        _fail(EXIT_FAILED, str(e))
-    except KeyboardInterrupt:
-        _fail(EXIT_FAILED, "interrupted")
-    except Exception as e:  # infrastructure: the one-line reason goes last
-        console.print_exception(max_frames=5)
-        _fail(EXIT_FAILED, f"{type(e).__name__}: {e}")
     print_summary(report)
-    failed = {s: n for s, n in report["status"].items() if s in FAILED_STATUSES and n}
-    errors = sum(failed.values())
-    if fail_on_error_rate is not None and report["rows_out"] and errors / report["rows_out"] > fail_on_error_rate:
-        what = " or ".join(sorted(failed))
-        _fail(EXIT_ERROR_RATE, f"{errors} of {report['rows_out']} rows ended in {what} "
-                               f"({errors / report['rows_out']:.2%}), above --fail-on-error-rate {fail_on_error_rate}")
+    check_error_rate(report, fail_on_error_rate)
 
 
 @main.command()
-@click.argument("job", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--profile", "-p", required=True, type=click.Path(dir_okay=False, path_type=Path),
-              help="The profile to tune: its model, engine and memory target are used as they are.")
-@click.option("--input", "input_path", help="Override the job's input path: a sample of it is read.")
+@job_options
 @click.option("--sample", default=64, show_default=True, type=click.IntRange(1),
               help="Prompts per bucket, from the first rows of the input.")
 @click.option("--bucket", "buckets", multiple=True, metavar="NAME",
@@ -224,11 +249,8 @@ def run(job: Path, profile: Path, input_path: str | None, output_path: str | Non
               help="Choose the largest batch whose P99 latency is at most MS milliseconds.")
 @click.option("--out", "out_dir", default="out/tune", show_default=True, type=click.Path(file_okay=False, path_type=Path),
               help="Where sweep.csv, sweep.json, sweep.png and profile.yaml go.")
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="As for run.")
-@click.option("--date", metavar="YYYY-MM-DD", help="As for run, for jobs whose paths hold {date}.")
-def tune(job: Path, profile: Path, input_path: str | None, sample: int, buckets: tuple[str, ...],
-         max_batch: int | None, slo: float | None, out_dir: Path, overrides: tuple[str, ...],
-         date: str | None) -> None:
+def tune(job: Path, profile: Path, input_path: str | None, overrides: tuple[str, ...], date: str | None,
+         sample: int, buckets: tuple[str, ...], max_batch: int | None, slo: float | None, out_dir: Path) -> None:
     """Measure throughput, latency and memory across batch sizes; choose one per bucket.
 
     For each length bucket in a sample of JOB's input, sweep the batch size
@@ -239,7 +261,6 @@ def tune(job: Path, profile: Path, input_path: str | None, sample: int, buckets:
     and sweep.csv, sweep.json, sweep.png and profile.yaml (use it with
     `pipeline run --profile`) in --out.
     """
-    from pipeline.models.source import ModelError
     from pipeline.tools.tune.job import tune_job
     from pipeline.tools.tune.outputs import choice_lines, sweep_table
 
@@ -251,17 +272,10 @@ def tune(job: Path, profile: Path, input_path: str | None, sample: int, buckets:
             f"{p.repeats} windows, spread {p.spread:.0%}")
         out.print(f"  {bucket} batch {p.batch:>4}: {what}")
 
-    try:
+    with exit_codes():
         config = load_run_config(job, profile, overrides, input_path, None, date=date)
         results, info = tune_job(config, out_dir, sample, buckets, max_batch, slo, on_point=on_point,
                                  on_stage=lambda msg: out.print(f"[dim]{msg}[/dim]"))
-    except (ConfigError, InputError, ModelError, NotOurs) as e:
-        _fail(EXIT_BAD_CONFIG, str(e))
-    except KeyboardInterrupt:
-        _fail(EXIT_FAILED, "interrupted")
-    except Exception as e:
-        console.print_exception(max_frames=5)
-        _fail(EXIT_FAILED, f"{type(e).__name__}: {e}")
     meta = info["meta"]
     out.print(sweep_table(results, f"tune · {meta['job_file']} on {meta['profile_file']} · "
                                    f"{meta['sample_rows']} prompts · {meta['wall_s']:.0f} s"))
@@ -279,13 +293,10 @@ def gc(output: str, delete: bool) -> None:
     """List the staging that stopped runs left beside OUTPUT (killed, or failed with rows
     committed), and with --delete remove it. Takes the output's lock first: refused
     (exit 2) while a run is writing OUTPUT. Touches only folders this pipeline marked."""
-    from pipeline.storage.lease import OutputBusy
     from pipeline.storage.output import collect_garbage
 
-    try:
+    with exit_codes():
         found = collect_garbage(output, delete=delete)
-    except OutputBusy as e:
-        _fail(EXIT_BAD_CONFIG, str(e))
     # One plain line per staging, for people and scripts alike.
     for s in found:
         lineage = " > ".join((*s.lineage, s.owner.run_id))
@@ -316,10 +327,8 @@ def tiny_model(out: Path, seed: int, kind: str) -> None:
     """
     from pipeline.models.tiny import ensure_tiny_model, fingerprint
 
-    try:
+    with exit_codes():
         ensure_tiny_model(out, seed=seed, kind=kind, instead="Choose a new or empty folder.")
-    except NotOurs as e:
-        _fail(EXIT_BAD_CONFIG, str(e))
     click.echo(f"{out}  sha256 {fingerprint(out)[:16]}")
 
 
@@ -335,8 +344,6 @@ def sample_corpus(out: Path, rows: int, seed: int) -> None:
     """
     from pipeline.tools.dev.corpus import write_corpus
 
-    try:
+    with exit_codes():
         write_corpus(out, rows=rows, seed=seed)
-    except NotOurs as e:
-        _fail(EXIT_BAD_CONFIG, str(e))
     click.echo(f"{out}  {rows} rows")
