@@ -7,7 +7,10 @@ what actually reached the output files.
 from __future__ import annotations
 
 import json
+import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
 from typing import Any
 
 import pyarrow.fs as pafs
@@ -190,8 +193,6 @@ class RunReport:
 def padding_summary(actors: list[dict[str, Any]]) -> dict[str, Any] | None:
     """Padded against real prompt tokens, over every engine, per bucket and in all; None
     where the engines do not pad (vLLM)."""
-    from collections import Counter
-
     padded, real = Counter(), Counter()
     found = False
     for a in actors:
@@ -215,66 +216,121 @@ def padding_summary(actors: list[dict[str, Any]]) -> dict[str, Any] | None:
                           for b in padded if b != "all"}}
 
 
-def build_report(
-    *,
-    run_id: str,
-    config: Any,
-    rows_in: int | None,
-    written: dict[str, Any],
-    wall_s: float,
-    started_at: str,
-    engine_settings: dict[str, Any],
-    bucket_order: tuple[str, ...],
-) -> RunReport:
-    """What was written and how the engines did: every field the writers' stats decide."""
-    calls = sorted(written["calls"].values(), key=lambda c: c.get("call", ""))
-    engines = [c.pop("engine") for c in calls if "engine" in c]
+@dataclass
+class RunContext:
+    """What one run knows, gathered as it goes: the run fills it in, step by step, and
+    `build_report` makes every section of the report from it, nothing set afterwards."""
+
+    config: Any  # the RunConfig
+    run_id: str
+    started: float = field(default_factory=time.monotonic)
+    started_at: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    # 1. Checked before the cluster starts.
+    inputs: Any = None  # pipeline.storage.inputs.Inputs
+    model_path: str = ""
+    out_schema: Any = None
+    # 3. Found once the model's context is known, and while generating.
+    max_model_len: int = 0
+    bucket_order: tuple[str, ...] = ()
+    limits_key: dict[str, Any] = field(default_factory=dict)
+    start_limits: dict[str, int] = field(default_factory=dict)
+    percentile_cap: int | None = None
+    checks: dict[str, Any] = field(default_factory=dict)  # passes over the input, and their cost
+    incidents: list[dict[str, Any]] = field(default_factory=list)
+    written: dict[str, Any] | None = None  # the sink's merged stats: what reached the output files
+    generated_rows: int = 0  # of them, the rows this run wrote (a resumed run's others were committed)
+    # 4. Around the report: a resumed run's lineage, the side steps, what publishing replaces.
+    resume: dict[str, Any] | None = None
+    learned: dict[str, Any] = field(default_factory=dict)  # {"saved": limits, or None if saving failed}
+    plot_path: str | None = None
+    publish: dict[str, Any] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    def wall_s(self) -> float:
+        return time.monotonic() - self.started
+
+
+def build_report(ctx: RunContext, engine_settings: dict[str, Any]) -> RunReport:
+    """Every section of the report, from what the run knows and what was written."""
+    written, config = ctx.written, ctx.config
+    if written is None:
+        raise RuntimeError("the write finished without reporting what it wrote")
+    job, profile = config.job, config.profile
+    calls = engine_calls(written)
+    engines = [c["engine"] for c in sorted(written["calls"].values(), key=lambda c: c.get("call", "")) if "engine" in c]
     actors = actor_summaries(calls)
-    # Calls of one engine overlap (a few blocks at once): its engine time is the time
-    # it had any call open, not the sum of its calls' walls.
-    engine_s = sum(a.get("serving_s", 0.0) for a in actors)
-    busy_s = sum(a["busy_s"] for a in actors)
-    batching = config.profile.batching
+    wall_s = ctx.wall_s()
+    status = written["status"]
     return RunReport(
-        run_id=run_id,
-        job=config.job.name,
-        job_file=config.job_file,
-        profile_file=config.profile_file,
-        model=config.profile.model.name,
-        input=config.job.input.path,
-        output=config.job.output.path,
-        started_at=started_at,
-        wall_s=round(wall_s, 3),
-        rows_in=rows_in,
-        rows_out=written["rows"],
-        status=written["status"],
-        buckets=bucket_table(written["prompt_tokens_by_bucket"], bucket_order),
+        run_id=ctx.run_id, job=job.name, job_file=config.job_file, profile_file=config.profile_file,
+        model=profile.model.name, input=job.input.path, output=job.output.path, started_at=ctx.started_at,
+        wall_s=round(wall_s, 3), rows_in=ctx.inputs.rows, rows_out=written["rows"], status=status,
+        buckets=bucket_table(written["prompt_tokens_by_bucket"], ctx.bucket_order),
         tokens={"prompt": written["prompt_tokens"], "output": written["output_tokens"]},
         output_tokens_per_s=round(written["output_tokens"] / wall_s, 2) if wall_s > 0 else None,
-        # Wall time includes Ray and engine start-up; engine time is the calls alone.
-        engine_s=round(engine_s, 3),
-        engine_output_tokens_per_s=round(written["output_tokens"] / engine_s, 2) if engine_s > 0 else None,
-        # Time with at least one request running, over the time the engines were in use.
-        busy_fraction=(
-            round(busy_s / sum(a["active_s"] for a in actors), 4)
-            if actors and sum(a["active_s"] for a in actors) > 0 else None
-        ),
+        **engine_time(actors, written["output_tokens"]),
         fill=_weighted([(c.get("fill"), c.get("busy_s", 0.0)) for c in calls]),
-        batching={
-            **batching.describe_policy(),
-            "feed": config.profile.feed(),
-            "backoffs": sum(len(c.get("backoffs", [])) for c in calls),
-            "per_bucket": bucket_batching(calls, bucket_order),
-        },
+        batching=batching_section(ctx, calls),
         engine={"settings": engine_settings, "engines": engines, "actors": actors, "calls": len(calls),
                 "pool": pool_summary(calls, actors, {b: sum(c.values()) for b, c in
                                                      written["prompt_tokens_by_bucket"].items()})},
         engine_calls=[{k: v for k, v in c.items() if k not in ("trajectory", "backoffs", "actor")}
                      | {"actor": c.get("actor", {}).get("actor")} for c in calls],
-        files=sorted(written["files"]),
-        versions=versions(),
-        timeline=written["timeline"],
+        files=sorted(written["files"]), versions=versions(), timeline=written["timeline"],
+        date=config.date, checks=ctx.checks, resume=ctx.resume, incidents=ctx.incidents,
+        input_files={"format": ctx.inputs.format, "read": len(ctx.inputs.paths), "skipped": ctx.inputs.skipped},
+        passages=None if job.passages is None else {
+            **job.passages.model_dump(), "documents_in": ctx.inputs.rows, "passages_out": written["rows"]},
+        annotations=None if job.annotations is None else annotations_section(job.annotations, status, calls),
+        padding=padding_summary(actors),
+        length={**job.length.model_dump(), "percentile_cap_tokens": ctx.percentile_cap,
+                "truncated": written["truncated"], "chunked": written["chunked"]},
+        plot_path=ctx.plot_path, report_path=f"{job.output.path.rstrip('/')}/{REPORT_NAME}",
+        publish=ctx.publish, warnings=ctx.warnings,
     )
+
+
+def engine_calls(written: dict[str, Any]) -> list[dict[str, Any]]:
+    """The engine calls the parts record, in order, without the engine settings each carries."""
+    return [{k: v for k, v in c.items() if k != "engine"}
+            for c in sorted(written["calls"].values(), key=lambda c: c.get("call", ""))]
+
+
+def engine_time(actors: list[dict[str, Any]], output_tokens: int) -> dict[str, Any]:
+    """Engine time and what it produced. Calls of one engine overlap (a few blocks at
+    once): its engine time is the time it had any call open, not the sum of its calls'
+    walls. Wall time includes Ray and engine start-up; engine time is the calls alone."""
+    engine_s = sum(a.get("serving_s", 0.0) for a in actors)
+    active_s = sum(a["active_s"] for a in actors)
+    return {
+        "engine_s": round(engine_s, 3),
+        "engine_output_tokens_per_s": round(output_tokens / engine_s, 2) if engine_s > 0 else None,
+        # Time with at least one request running, over the time the engines were in use.
+        "busy_fraction": round(sum(a["busy_s"] for a in actors) / active_s, 4) if actors and active_s > 0 else None,
+    }
+
+
+def batching_section(ctx: RunContext, calls: list[dict[str, Any]]) -> dict[str, Any]:
+    profile = ctx.config.profile
+    learned = {"path": profile.batching.learned_limits, "key": ctx.limits_key, "started_from": ctx.start_limits,
+               **ctx.learned}
+    return {
+        **profile.batching.describe_policy(),
+        "feed": profile.feed(),
+        "backoffs": sum(len(c.get("backoffs", [])) for c in calls),
+        "per_bucket": bucket_batching(calls, ctx.bucket_order),
+        "learned_limits": learned,
+    }
+
+
+def annotations_section(annotations: Any, status: dict[str, int], calls: list[dict[str, Any]]) -> dict[str, Any]:
+    kinds = Counter(c.get("kind") for c in calls)
+    return {
+        "columns": [f"{f.name}: {f.type}" for f in annotations.fields()],
+        "valid": status.get("ok", 0), "invalid_output": status.get("invalid_output", 0),
+        "retried": sum(c.get("rows", 0) for c in calls if c.get("kind") == "annotations-retry"),
+        "calls": kinds.get("annotations", 0) + kinds.get("annotations-retry", 0),
+    }
 
 
 def write_beside(fs: pafs.FileSystem, folder: str, name: str, data: bytes) -> str:

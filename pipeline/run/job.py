@@ -25,7 +25,6 @@ import threading
 import time
 import uuid
 import warnings
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 from datetime import datetime, timezone
@@ -46,7 +45,8 @@ from pipeline.storage.output import OutputTarget, PublishError
 from pipeline.run.plan import engine_description, generate_settings, prepare_settings
 from pipeline.run.pool import EnginePool, runtime_env
 from pipeline.observe.progress import progress_for
-from pipeline.observe.report import REPORT_NAME, RunReport, build_report, padding_summary, write_beside, write_report
+from pipeline.observe.report import (RunContext, RunReport, actor_summaries, batching_section, build_report,
+                                     engine_calls, write_beside, write_report)
 from pipeline.observe.report_plot import plot_trajectories
 from pipeline.stages.prepare import PrepareSettings, context_limit
 
@@ -205,32 +205,16 @@ def run_job(config: RunConfig, run_id: str | None = None,
 
 def _run(config: RunConfig, run_id: str, stopped: Literal["refuse", "resume", "restart"],
          metrics: RunMetrics, verbose: bool = False) -> RunReport:
-    started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    started = time.monotonic()
-    job = config.job
-
-    # 1. Checks that need no cluster: the input, the model (the tiny one built if asked
-    # for), and every path the run will write besides its output.
-    inputs = job_inputs(config)
-    model_path = resolve_model(config)
-    learned = config.profile.batching.learned_limits
-    if learned and isinstance(config.profile.batching.policy, AdaptivePolicy):
-        limits_store.LIMITS_FILE.check(learned)
-    annotation_fields = job.annotations.fields() if job.annotations else []
-    try:
-        out_schema = schema.output_schema(inputs.schema, job.input.id_column, job.input.text_column,
-                                          passages=job.passages is not None, annotation_fields=annotation_fields)
-    except ValueError as e:
-        raise InputError(f"{config.job_file}: {job.input.path}: {e}") from None
-
+    ctx = checked(config, run_id)
     # 2. The output: this run's lease on it, a check of what is there, and the staging.
+    job = config.job
     target = OutputTarget(job.output.path, job.name, run_id, backup_existing=job.output.backup_existing,
                           stopped=stopped)
-    target.open(rows_in=inputs.rows)
+    target.open(rows_in=ctx.inputs.rows)
     try:
         try:
-            report = _generate(config, run_id, model_path, inputs, out_schema, target, started, started_at, metrics,
-                               verbose)
+            generate(ctx, target, metrics, verbose)
+            report = finish(ctx, target)
         except PublishError:
             raise  # every row is written: the staging holds the complete output, and stays
         except BaseException as e:
@@ -247,104 +231,144 @@ def _run(config: RunConfig, run_id: str, stopped: Literal["refuse", "resume", "r
     return report
 
 
-def _generate(config: RunConfig, run_id: str, model_path: str, inputs: Any, out_schema: pa.Schema,
-              target: OutputTarget, started: float, started_at: str, metrics: RunMetrics,
-              verbose: bool = False) -> RunReport:
-    """Steps 3 and 4: generate every row into the staging, then the report beside them."""
-    from ray.data import ActorPoolStrategy
+def checked(config: RunConfig, run_id: str) -> RunContext:
+    """1. What can be checked before any cluster: the input, the model (the tiny one built
+    if asked for), every path the run writes besides its output, the output's schema."""
+    job = config.job
+    ctx = RunContext(config, run_id)
+    ctx.inputs = job_inputs(config)
+    ctx.model_path = resolve_model(config)
+    learned = config.profile.batching.learned_limits
+    if learned and isinstance(config.profile.batching.policy, AdaptivePolicy):
+        limits_store.LIMITS_FILE.check(learned)
+    annotation_fields = job.annotations.fields() if job.annotations else []
+    try:
+        ctx.out_schema = schema.output_schema(ctx.inputs.schema, job.input.id_column, job.input.text_column,
+                                              passages=job.passages is not None, annotation_fields=annotation_fields)
+    except ValueError as e:
+        raise InputError(f"{config.job_file}: {job.input.path}: {e}") from None
+    return ctx
 
-    from pipeline.storage.sink import ParquetPartsSink
-    from pipeline.stages.generate import GenerateStage
 
+def generate(ctx: RunContext, target: OutputTarget, metrics: RunMetrics, verbose: bool = False) -> None:
+    """3. Every row generated into the staging: the dataset built, then pulled through the
+    engine pool by the write."""
+    profile = ctx.config.profile
+    ctx.max_model_len = context_limit(ctx.model_path, profile.engine.max_model_len)
+    ctx.bucket_order = LengthBucketer(profile.bucketing.boundaries).names
+    ctx.limits_key = limits_store.limits_key(
+        profile.model.name, limits_store.hardware_id(profile.hardware.accelerator), ctx.max_model_len,
+        profile.engine.dtype, profile.engine.backend,
+    )
+    ctx.start_limits = limits_store.load_limits(
+        profile.batching.learned_limits, ctx.limits_key, profile.batching.learned_max_age_days
+    )
+    init_ray(ctx.config)
+    ds, prepare = build_dataset(ctx, target.committed)
+    run_dataset(ctx, ds, prepare, target, metrics, verbose)
+
+
+def build_dataset(ctx: RunContext, committed: Any) -> tuple[Any, PrepareSettings]:
+    """The dataset, lazily: read, skip what a resumed run committed, prepare, group by
+    bucket. Nothing runs until the write pulls it (but the percentile pass, if asked)."""
+    config = ctx.config
     job, profile = config.job, config.profile
-    max_model_len = context_limit(model_path, profile.engine.max_model_len)
-    bucketer = LengthBucketer(profile.bucketing.boundaries)
-    limits_key = limits_store.limits_key(
-        profile.model.name, limits_store.hardware_id(profile.hardware.accelerator), max_model_len, profile.engine.dtype,
-        profile.engine.backend,
-    )
-    start_limits = limits_store.load_limits(
-        profile.batching.learned_limits, limits_key, profile.batching.learned_max_age_days
-    )
-
-    # 3. The dataset: nothing runs until the write pulls it.
-    init_ray(config)
-    hw, batching = profile.hardware, profile.batching
-    checks: dict[str, Any] = {}
     keys = key_columns(job.input.id_column, job.passages is not None)
-    committed = target.committed  # a resumed run's: skipped
     skip = None
-    if committed.keys is not None:
+    if committed.keys is not None:  # a resumed run's
         import ray
 
         skip = (ray.put(row_keys(committed.keys, keys)), keys)
-    prepare = prepare_settings(config, model_path, max_model_len)
-    percentile_cap = None
+    prepare = prepare_settings(config, ctx.model_path, ctx.max_model_len)
     if job.length.outlier_percentile is not None:
         t = time.monotonic()
-        percentile_cap = corpus_percentile_cap(config, inputs, prepare)
-        prepare = replace(prepare, cap_tokens=percentile_cap)
-        checks["outlier_percentile"] = {"pass": "read and tokenize every row", "seconds": round(time.monotonic() - t, 3)}
-    ds = read_and_prepare(config, inputs, prepare, skip)
+        ctx.percentile_cap = corpus_percentile_cap(config, ctx.inputs, prepare)
+        prepare = replace(prepare, cap_tokens=ctx.percentile_cap)
+        ctx.checks["outlier_percentile"] = {"pass": "read and tokenize every row",
+                                            "seconds": round(time.monotonic() - t, 3)}
+    ds = read_and_prepare(config, ctx.inputs, prepare, skip)
     if profile.bucketing.grouping == "window":
         # Streaming: each window of prepared rows ordered by bucket, nothing waits for the corpus.
         # Then cut into blocks of an engine's batch: Ray Data hands out blocks, not
         # batches, so a window left whole would go to one engine (streaming, no shuffle).
         ds = (ds.map_batches(group_window, batch_size=profile.bucketing.window_rows, batch_format="pyarrow",
                              num_cpus=0.1)
-              .repartition(target_num_rows_per_block=batching.generate_batch_rows))
+              .repartition(target_num_rows_per_block=profile.batching.generate_batch_rows))
     elif profile.bucketing.grouping == "global":
         # One range partition per bucket, after every row is read (an all-to-all barrier).
-        ds = ds.sort(schema.BUCKET_INDEX, boundaries=list(range(1, len(bucketer.names))))
-    metrics.expect(inputs.rows, committed.documents() if job.passages is not None else committed.rows)
-    pool = EnginePool(hw, profile.engine.tensor_parallel_size)
+        ds = ds.sort(schema.BUCKET_INDEX, boundaries=list(range(1, len(ctx.bucket_order))))
+    return ds, prepare
+
+
+def run_dataset(ctx: RunContext, ds: Any, prepare: PrepareSettings, target: OutputTarget, metrics: RunMetrics,
+                verbose: bool) -> None:
+    """Pull the dataset through the engine pool into the staging's parts, with the unique-id
+    check beside the engines' start; what the write says goes into `ctx`."""
+    from pipeline.storage.sink import ParquetPartsSink
+
+    config = ctx.config
+    job, engine = config.job, config.profile.engine
+    committed = target.committed
+    metrics.expect(ctx.inputs.rows, committed.documents() if job.passages is not None else committed.rows)
+    pool = EnginePool(config.profile.hardware, engine.tensor_parallel_size)
     pool.open()
     metrics.attach(pool.gate.metrics)
-    incidents: list[dict[str, Any]] = []
     try:
         # Each engine warning once per run, unless --verbose.
-        settings = replace(generate_settings(config, prepare, run_id, quiet_warnings=not verbose), pool_gate=pool.gate)
-        # Engines that fail to start: the same bound, counted in a row (Ray Data's default: none).
-        ds.context.max_consecutive_actor_init_deaths = profile.engine.max_restarts
-        with warnings.catch_warnings():
-            # Ray 2.60 deprecates passing remote options through **kwargs in favour of named
-            # ones, and names none for max_restarts, max_task_retries or a placement group.
-            warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
-            ds = ds.map_batches(
-                GenerateStage,
-                fn_constructor_kwargs={"settings": settings, "learned": start_limits},
-                batch_size=batching.generate_batch_rows,
-                batch_format="pyarrow",
-                # A few blocks per engine at once, served by one feeder: the next block's
-                # rows fill the engine while the last one's finish.
-                compute=ActorPoolStrategy(size=hw.num_engines,
-                                          max_concurrent_calls_per_actor=batching.concurrent_batches,
-                                          max_tasks_in_flight_per_actor=batching.concurrent_batches,
-                                          enable_true_multi_threading=True),
-                # An actor whose process or engine core dies, or hangs, is started afresh
-                # and its blocks retried, a bounded number of times (Ray Data's default: forever).
-                max_restarts=profile.engine.max_restarts,
-                max_task_retries=profile.engine.max_restarts,
-                **pool.actor_options(),
-            )
-        sink = ParquetPartsSink(target.staging, run_id, out_schema, keys, previous=committed.parts)
+        settings = replace(generate_settings(config, prepare, ctx.run_id, quiet_warnings=not verbose),
+                           pool_gate=pool.gate)
+        ds = with_engines(ds, config, settings, ctx.start_limits, pool)
+        sink = ParquetPartsSink(target.staging, ctx.run_id, ctx.out_schema,
+                                key_columns(job.input.id_column, job.passages is not None), previous=committed.parts)
         # Unique ids are checked on the cluster while the engines start; they take no
         # block until it has passed.
-        check = BesideStartup(lambda: check_unique_ids(inputs, job.input.id_column, job.input.path), pool.gate)
+        check = BesideStartup(lambda: check_unique_ids(ctx.inputs, job.input.id_column, job.input.path), pool.gate)
         try:
             # Write tasks ask for a tenth of a CPU: they wait on storage, and at a whole
             # CPU Ray Data's resource budget held every part back until the input was read.
             ds.write_datasink(sink, ray_remote_args={"num_cpus": 0.1})
         except Exception as e:
             check.raise_if_refused()
-            raise engines_failed(e, pool.incidents(), profile.engine.max_restarts) from e
-        checks["duplicate_ids"] = check.result()
-        incidents = pool.incidents()
+            raise engines_failed(e, pool.incidents(), engine.max_restarts) from e
+        ctx.checks["duplicate_ids"] = check.result()
+        ctx.incidents = pool.incidents()
+        ctx.written, ctx.generated_rows = sink.summary, sink.generated_rows
     finally:
         metrics.detach()
         pool.close()
-    return finish(config, sink, target, run_id, inputs, started, started_at, model_path, max_model_len,
-                  bucketer, limits_key, start_limits, percentile_cap, checks, incidents)
+
+
+def with_engines(ds: Any, config: RunConfig, settings: Any, learned: dict[str, int], pool: EnginePool) -> Any:
+    """The generate stage on the dataset: one engine per actor of the pool, each serving a
+    few blocks at once, restarted a bounded number of times."""
+    from ray.data import ActorPoolStrategy
+
+    from pipeline.stages.generate import GenerateStage
+
+    hw, batching, engine = config.profile.hardware, config.profile.batching, config.profile.engine
+    # Engines that fail to start: the same bound, counted in a row (Ray Data's default: none).
+    ds.context.max_consecutive_actor_init_deaths = engine.max_restarts
+    with warnings.catch_warnings():
+        # Ray 2.60 deprecates passing remote options through **kwargs in favour of named
+        # ones, and names none for max_restarts, max_task_retries or a placement group.
+        warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
+        return ds.map_batches(
+            GenerateStage,
+            fn_constructor_kwargs={"settings": settings, "learned": learned},
+            batch_size=batching.generate_batch_rows,
+            batch_format="pyarrow",
+            # A few blocks per engine at once, served by one feeder: the next block's
+            # rows fill the engine while the last one's finish.
+            compute=ActorPoolStrategy(size=hw.num_engines,
+                                      max_concurrent_calls_per_actor=batching.concurrent_batches,
+                                      max_tasks_in_flight_per_actor=batching.concurrent_batches,
+                                      enable_true_multi_threading=True),
+            # An actor whose process or engine core dies, or hangs, is started afresh
+            # and its blocks retried, a bounded number of times (Ray Data's default: forever).
+            max_restarts=engine.max_restarts,
+            max_task_retries=engine.max_restarts,
+            **pool.actor_options(),
+        )
 
 
 def engines_failed(error: Exception, incidents: list[dict[str, Any]], bound: int) -> Exception:
@@ -422,82 +446,48 @@ def _side_step(warnings: list[str], what: str, step: Callable[[], Any]) -> Any:
         return None
 
 
-def finish(config: RunConfig, sink: Any, target: OutputTarget, run_id: str, inputs: Any, started: float,
-           started_at: str, model_path: str, max_model_len: int, bucketer: LengthBucketer, limits_key: dict[str, Any],
-           start_limits: Any, percentile_cap: int | None, checks: dict[str, Any],
-           incidents: list[dict[str, Any]] | None = None) -> RunReport:
-    """Build the report from what was written, and put it (and the plot) beside the parts."""
-    job, profile = config.job, config.profile
-    if sink.summary is None:
-        raise RuntimeError("the write finished without reporting what it wrote")
-    incidents = list(incidents or [])
-    resume = None
+def finish(ctx: RunContext, target: OutputTarget) -> RunReport:
+    """4. The report, with its side steps (the learned limits, the plot), written last into
+    the staging beside the parts: its presence means the output is complete."""
+    config = ctx.config
+    profile = config.profile
     if target.resumed is not None:
         committed = target.committed
-        resume = {"lineage": [*target.lineage, run_id], "resumed": target.resumed.owner.run_id,
-                  "rows_committed_before": committed.rows, "rows_generated": sink.generated_rows,
-                  "read_commits_s": round(committed.seconds, 3)}
-        wall_start = time.time() - (time.monotonic() - started)
-        incidents.insert(0, {"at": round(wall_start, 3), "kind": "resume", "cause": target.resumed.progress(),
-                             "rows": committed.rows})
-
-    # 4. The report, written last: its presence means the output is complete.
-    report = build_report(
-        run_id=run_id,
-        config=config,
-        rows_in=inputs.rows,
-        written=sink.summary,
-        wall_s=time.monotonic() - started,
-        started_at=started_at,
-        engine_settings=engine_description(model_path, profile.engine, job.sampling.seed),
-        bucket_order=bucketer.names,
-    )
-    report.date = config.date
-    report.checks = checks
-    report.resume, report.incidents = resume, incidents
-    report.input_files = {"format": inputs.format, "read": len(inputs.paths), "skipped": inputs.skipped}
-    if job.passages is not None:
-        report.passages = {**job.passages.model_dump(), "documents_in": inputs.rows,
-                           "passages_out": sink.summary["rows"]}
-    if job.annotations is not None:
-        kinds = Counter(c.get("kind") for c in report.engine_calls)
-        retried = sum(c.get("rows", 0) for c in report.engine_calls if c.get("kind") == "annotations-retry")
-        report.annotations = {
-            "columns": [f"{f.name}: {f.type}" for f in job.annotations.fields()],
-            "valid": report.status.get("ok", 0), "invalid_output": report.status.get("invalid_output", 0),
-            "retried": retried, "calls": kinds.get("annotations", 0) + kinds.get("annotations-retry", 0),
-        }
-    report.padding = padding_summary(report.engine["actors"])
-    report.length = {**job.length.model_dump(), "percentile_cap_tokens": percentile_cap,
-                     "truncated": sink.summary["truncated"], "chunked": sink.summary["chunked"]}
-    learned: dict[str, Any] = {"path": profile.batching.learned_limits, "key": limits_key,
-                               "started_from": start_limits}
-    report.batching["learned_limits"] = learned
-    warnings = list(target.warnings)  # a lock taken over, staging left by a killed run
+        ctx.resume = {"lineage": [*target.lineage, ctx.run_id], "resumed": target.resumed.owner.run_id,
+                      "rows_committed_before": committed.rows,
+                      "rows_generated": ctx.generated_rows,
+                      "read_commits_s": round(committed.seconds, 3)}
+        wall_start = time.time() - ctx.wall_s()
+        ctx.incidents.insert(0, {"at": round(wall_start, 3), "kind": "resume", "cause": target.resumed.progress(),
+                                 "rows": committed.rows})
+    ctx.warnings = list(target.warnings)  # a lock taken over, staging left by a killed run
+    if ctx.written is None:
+        raise RuntimeError("the write finished without reporting what it wrote")
+    calls = engine_calls(ctx.written)
     if profile.batching.learned_limits and isinstance(profile.batching.policy, AdaptivePolicy):
-        limits = limits_store.merge_limits([a["learned"] for a in report.engine["actors"]])
+        limits = limits_store.merge_limits([a["learned"] for a in actor_summaries(calls)])
         if limits:
             def save() -> dict[str, int]:
-                limits_store.save_limits(profile.batching.learned_limits, limits_key, limits)
+                limits_store.save_limits(profile.batching.learned_limits, ctx.limits_key, limits)
                 return limits
 
-            learned["saved"] = _side_step(warnings, f"saving learned limits to {profile.batching.learned_limits}",
-                                          save)
+            ctx.learned["saved"] = _side_step(ctx.warnings, f"saving learned limits to "
+                                              f"{profile.batching.learned_limits}", save)
 
     def draw() -> bool:
-        png = plot_trajectories({"job": report.job, "run_id": report.run_id, "batching": report.batching})
+        png = plot_trajectories({"job": config.job.name, "run_id": ctx.run_id,
+                                 "batching": batching_section(ctx, calls)})
         if png:
             write_beside(target.fs, target.staging.data, PLOT_NAME, png)
         return png is not None
 
-    final = job.output.path.rstrip("/")
-    report.plot_path = f"{final}/{PLOT_NAME}" if _side_step(warnings, "drawing the batching plot", draw) else None
-    report.report_path = f"{final}/{REPORT_NAME}"
+    final = config.job.output.path.rstrip("/")
+    ctx.plot_path = f"{final}/{PLOT_NAME}" if _side_step(ctx.warnings, "drawing the batching plot", draw) else None
     # The output may have changed during the run: check again, and say what publishing replaces.
-    report.publish = target.plan()
-    if report.publish["backup"]:
-        warnings.append(f"{final} holds files this pipeline did not write: moved aside to "
-                        f"{report.publish['backup']} (--backup-existing)")
-    report.warnings = warnings
+    ctx.publish = target.plan()
+    if ctx.publish["backup"]:
+        ctx.warnings.append(f"{final} holds files this pipeline did not write: moved aside to "
+                            f"{ctx.publish['backup']} (--backup-existing)")
+    report = build_report(ctx, engine_description(ctx.model_path, profile.engine, config.job.sampling.seed))
     write_report(target.fs, target.staging.data, report)
     return report

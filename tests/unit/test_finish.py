@@ -1,4 +1,4 @@
-"""The end of a run (`runner.finish`, then publishing) with the real sink and output
+"""The end of a run (`pipeline.run.job.finish`, then publishing) with the real sink and output
 target and no engine: a failing side step (saving learned limits, drawing the plot)
 is a warning in the report, and the rows that were written are still published."""
 
@@ -16,6 +16,7 @@ from pipeline import schema
 from pipeline.run import job as runner
 from pipeline.text.bucketing import LengthBucketer
 from pipeline.config import load_run_config
+from pipeline.observe.report import RunContext
 from pipeline.storage.output import OutputTarget
 from pipeline.storage.sink import ParquetPartsSink
 from tests.conftest import REPO
@@ -51,10 +52,12 @@ def test_a_failing_side_step_is_a_warning_and_the_output_is_published(tmp_path, 
         write_returns = [written]
 
     sink.on_write_complete(WR())
-    inputs = SimpleNamespace(rows=3, format="parquet", paths=["in.parquet"], skipped=[])
-    key = {"model": "m", "hardware": "cpu:x", "max_model_len": 4096, "dtype": "bfloat16"}
-    typed = runner.finish(config, sink, target, "run1", inputs, time.monotonic() - 1, "2026-11-30T00:00:00+00:00",
-                          "model", 4096, LengthBucketer(), key, {}, None, {})
+    ctx = RunContext(config, "run1", started=time.monotonic() - 1, started_at="2026-11-30T00:00:00+00:00",
+                     inputs=SimpleNamespace(rows=3, format="parquet", paths=["in.parquet"], skipped=[]),
+                     model_path="model", max_model_len=4096, bucket_order=LengthBucketer().names,
+                     limits_key={"model": "m", "hardware": "cpu:x", "max_model_len": 4096, "dtype": "bfloat16"},
+                     written=sink.summary, generated_rows=sink.generated_rows)
+    typed = runner.finish(ctx, target)
     typed.warnings += target.publish()
     report = typed.to_json()
     target.close()
@@ -93,7 +96,7 @@ def test_run_job_keeps_a_finished_runs_staging_and_discards_a_failed_ones(tmp_pa
                              str(corpus), str(tmp_path / "out"))
     seen = {}
 
-    def generate(config, run_id, model_path, inputs, out_schema, target, *when_and_watch):
+    def generate(ctx, target, *metrics_and_verbose):
         seen["staging"] = target.staging.root
         (tmp_path / "out").mkdir()
         (tmp_path / "out" / "late.txt").write_text("appeared mid-run")
@@ -101,7 +104,7 @@ def test_run_job_keeps_a_finished_runs_staging_and_discards_a_failed_ones(tmp_pa
             target.plan()  # what finish does last: finds late.txt
         raise error
 
-    monkeypatch.setattr(runner, "_generate", generate)
+    monkeypatch.setattr(runner, "generate", generate)
     with pytest.raises(PublishError if error == "publish" else RuntimeError):
         runner.run_job(config, run_id="run1")
     assert os.path.isdir(seen["staging"]) == (error == "publish")
