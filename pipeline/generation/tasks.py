@@ -1,7 +1,8 @@
 """What the generate stage asks of an engine, as functions over a feeder.
 
-- `EngineCalls` numbers the calls one engine actor makes and keeps each call's
-  record (rows, times, pressure, the policy's trajectory) for the report.
+- `EngineCalls` numbers the calls one engine actor makes; `BatchCalls` keeps the
+  records of one batch's calls (rows, times, pressure, the policy's trajectory) for
+  the report. `CallKind` names what a call served.
 - `summarize`: each bucket's rows, one call per bucket.
 - `annotate`: structured output constrained to a JSON Schema, parsed and
   validated; rows whose output did not validate get one retry with more room
@@ -18,6 +19,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 from pipeline.generation.engine import Completion, Sampling
@@ -26,13 +28,26 @@ from pipeline.generation.feeder import CallRecord, EngineFeeder
 MAX_REDUCE_LEVELS = 8
 
 
+class CallKind(StrEnum):
+    """What an engine call served, as the report names it (`chunk-level-N` for the Nth level
+    of a map-reduce: `CallKind.chunk_level(n)`)."""
+
+    ROWS = "rows"
+    ANNOTATIONS = "annotations"
+    ANNOTATIONS_RETRY = "annotations-retry"
+
+    @staticmethod
+    def chunk_level(depth: int) -> str:
+        return f"chunk-level-{depth}"
+
+
 @dataclass(frozen=True)
 class EngineCall:
     """One engine call as the report lists it: its id and kind, what the feeder measured,
     the actor's running totals after it, and (on an actor's first call) the engine."""
 
     call: str
-    kind: str  # rows | annotations | annotations-retry | chunk-level-N
+    kind: str  # a CallKind, or CallKind.chunk_level(n)
     record: CallRecord
     actor: dict[str, Any]
     engine: dict[str, Any] | None = None
@@ -45,34 +60,55 @@ class EngineCall:
 
 
 class EngineCalls:
-    """One actor's engine calls over its feeder: numbered, each with a record."""
+    """One actor's engine calls over its feeder, numbered across its batches (which run in
+    several threads at once). `batch()` gives one batch its own log of the calls it made."""
 
     def __init__(self, feeder: EngineFeeder, actor: str, totals: Callable[[], dict[str, Any]],
                  engine_info: Callable[[], dict[str, Any]]):
         self.feeder, self.actor = feeder, actor
         self.totals, self.engine_info = totals, engine_info
         self.count = 0
-        self._numbering = threading.Lock()  # batches call from several threads at once
+        self._numbering = threading.Lock()
 
-    def call(self, bucket: str, items: list[tuple[int, list[int]]], sampling: Sampling,
-             records: list[dict[str, Any]], kind: str = "rows") -> tuple[str, dict[int, Completion]]:
-        """Serve `items` (position, token ids) of one bucket; (call id, completions by position)."""
+    def batch(self) -> BatchCalls:
+        return BatchCalls(self)
+
+    def serve(self, bucket: str, items: list[tuple[int, list[int]]], sampling: Sampling,
+              kind: str) -> tuple[EngineCall, dict[int, Completion]]:
         served = self.feeder.serve(bucket, items, sampling)
         with self._numbering:
             number = self.count
             self.count += 1
             call = EngineCall(f"{self.actor}-{number:05d}", kind, served.record, self.totals(),
                               self.engine_info() if number == 0 else None)
-        records.append(call.to_json())
-        return call.call, served.completions
+        return call, served.completions
 
 
-def summarize(calls: EngineCalls, runs: list[tuple[str, list[int]]], token_ids: list[list[int] | None],
-              sampling: Sampling, records: list[dict[str, Any]]) -> dict[int, tuple[str, Completion]]:
+class BatchCalls:
+    """The engine calls one batch makes, and their records for the report (`records`)."""
+
+    def __init__(self, calls: EngineCalls):
+        self.calls = calls
+        self.records: list[dict[str, Any]] = []
+
+    @property
+    def max_model_len(self) -> int:
+        return self.calls.feeder.engine.max_model_len
+
+    def call(self, bucket: str, items: list[tuple[int, list[int]]], sampling: Sampling,
+             kind: str = CallKind.ROWS) -> tuple[str, dict[int, Completion]]:
+        """Serve `items` (position, token ids) of one bucket; (call id, completions by position)."""
+        call, completions = self.calls.serve(bucket, items, sampling, kind)
+        self.records.append(call.to_json())
+        return call.call, completions
+
+
+def summarize(calls: BatchCalls, runs: list[tuple[str, list[int]]], token_ids: list[list[int] | None],
+              sampling: Sampling) -> dict[int, tuple[str, Completion]]:
     """One call per (bucket, positions) run; each position's call id and completion."""
     out: dict[int, tuple[str, Completion]] = {}
     for bucket, members in runs:
-        call_id, completions = calls.call(bucket, [(i, token_ids[i]) for i in members], sampling, records)
+        call_id, completions = calls.call(bucket, [(i, token_ids[i]) for i in members], sampling)
         for i in members:
             out[i] = (call_id, completions[i])
     return out
@@ -88,15 +124,24 @@ class Annotation:
     invalid: str | None
 
 
-def annotate(calls: EngineCalls, bucket: str, members: list[int], token_ids: list[list[int] | None],
-             sampling: Sampling, parse: Callable[[str | None], tuple[dict[str, Any] | None, str | None]],
-             retry_max_new_tokens: int | None, max_model_len: int,
-             records: list[dict[str, Any]]) -> dict[int, Annotation]:
-    """Structured annotations for `members` with `sampling` (which carries the schema)."""
+@dataclass(frozen=True)
+class AnnotationTask:
+    """How to annotate: `sampling` carries the JSON Schema; `parse(text)` gives (value,
+    why it is invalid); a row that does not validate is retried once with
+    `retry_max_new_tokens` (default twice the first room), within the context."""
+
+    sampling: Sampling
+    parse: Callable[[str | None], tuple[dict[str, Any] | None, str | None]]
+    retry_max_new_tokens: int | None = None
+
+
+def annotate(calls: BatchCalls, bucket: str, members: list[int], token_ids: list[list[int] | None],
+             task: AnnotationTask) -> dict[int, Annotation]:
+    """Structured annotations for `members`, with one retry for what does not validate."""
     if not members:  # every summary in the run failed: no engine call for nothing
         return {}
-    first = sampling.max_new_tokens
-    _, done = calls.call(bucket, [(i, token_ids[i]) for i in members], sampling, records, "annotations")
+    first, parse = task.sampling.max_new_tokens, task.parse
+    _, done = calls.call(bucket, [(i, token_ids[i]) for i in members], task.sampling, CallKind.ANNOTATIONS)
     out = {i: Annotation(c, *parse(c.text)) for i, c in done.items() if c.error is None}
     failed = {i: c for i, c in done.items() if c.error is not None}
 
@@ -104,10 +149,10 @@ def annotate(calls: EngineCalls, bucket: str, members: list[int], token_ids: lis
     retry = [i for i, a in out.items() if a.value is None]
     if retry:
         longest = max(len(token_ids[i] or ()) for i in retry)
-        room = min(retry_max_new_tokens or 2 * first, max_model_len - longest)
+        room = min(task.retry_max_new_tokens or 2 * first, calls.max_model_len - longest)
         if room > first:
-            _, again = calls.call(bucket, [(i, token_ids[i]) for i in retry], sampling.with_room(room), records,
-                                  "annotations-retry")
+            _, again = calls.call(bucket, [(i, token_ids[i]) for i in retry], task.sampling.with_room(room),
+                                  CallKind.ANNOTATIONS_RETRY)
             for i, c in again.items():
                 spent = out[i].completion
                 merged = Completion(c.text, c.output_tokens + spent.output_tokens, c.latency_s + spent.latency_s,
@@ -118,26 +163,31 @@ def annotate(calls: EngineCalls, bucket: str, members: list[int], token_ids: lis
     return out
 
 
-def map_reduce(calls: EngineCalls, pieces: dict[int, list[str]], encode: Callable[[int, str], list[int]],
-               split: Callable[[int, str], list[str]], bucket_of: Callable[[int], str], sampling: Sampling,
-               records: list[dict[str, Any]], max_levels: int = MAX_REDUCE_LEVELS) -> dict[int, Completion]:
-    """Summarize each row's pieces, then the joined summaries, for all rows at once, level
-    by level, until each row has one summary.
+@dataclass(frozen=True)
+class ChunkText:
+    """What map-reduce needs of the text: `encode(row, text)`, the prompt's token ids for a
+    piece of row's text; `split(row, text)`, the joined summaries back as one piece if they
+    fit the context, else as windows again; `bucket_of(tokens)`, a length bucket's name."""
 
-    `encode(row, text)` is the prompt's token ids for a piece of row's text;
-    `split(row, text)` gives the joined summaries back as one piece if they fit
-    the context, else as windows again; `bucket_of(tokens)` names a length bucket.
-    """
+    encode: Callable[[int, str], list[int]]
+    split: Callable[[int, str], list[str]]
+    bucket_of: Callable[[int], str]
+
+
+def map_reduce(calls: BatchCalls, pieces: dict[int, list[str]], text: ChunkText, sampling: Sampling,
+               max_levels: int = MAX_REDUCE_LEVELS) -> dict[int, Completion]:
+    """Summarize each row's pieces, then the joined summaries, for all rows at once, level
+    by level, until each row has one summary."""
     done: dict[int, Completion] = {}
     level = dict(pieces)
     for depth in range(1, max_levels + 1):
         owners, items = [], []
         for i, texts in level.items():
-            for text in texts:
+            for piece in texts:
                 owners.append(i)
-                items.append(encode(i, text))
-        bucket = bucket_of(max(len(x) for x in items))
-        _, completions = calls.call(bucket, list(enumerate(items)), sampling, records, f"chunk-level-{depth}")
+                items.append(text.encode(i, piece))
+        bucket = text.bucket_of(max(len(x) for x in items))
+        _, completions = calls.call(bucket, list(enumerate(items)), sampling, CallKind.chunk_level(depth))
         summaries: dict[int, list[Completion]] = {}
         for k, i in enumerate(owners):
             summaries.setdefault(i, []).append(completions[k])
@@ -149,7 +199,7 @@ def map_reduce(calls: EngineCalls, pieces: dict[int, list[str]], encode: Callabl
             elif len(parts) == 1:
                 done[i] = parts[0]
             else:
-                level[i] = split(i, "\n\n".join(c.text or "" for c in parts))
+                level[i] = text.split(i, "\n\n".join(c.text or "" for c in parts))
         if not level:
             return done
     for i in level:

@@ -15,6 +15,7 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
+from pipeline.generation.tasks import CallKind
 from pipeline.observe.machine import versions
 from pipeline.storage.fs import write_bytes
 from pipeline.storage.output import REPORT_NAME
@@ -79,7 +80,7 @@ def pool_summary(calls: list[dict[str, Any]], actors: list[dict[str, Any]], rows
     rows = {a["actor"]: 0 for a in actors}
     by_bucket: dict[str, dict[str, int]] = {}
     for c in calls:
-        if c.get("kind") == "rows" and c.get("actor"):
+        if c.get("kind") == CallKind.ROWS and c.get("actor"):
             who = c["actor"]["actor"]
             b = by_bucket.setdefault(c["bucket"], {})
             b[who] = b.get(who, 0) + c.get("rows", 0)
@@ -328,8 +329,8 @@ def annotations_section(annotations: Any, status: dict[str, int], calls: list[di
     return {
         "columns": [f"{f.name}: {f.type}" for f in annotations.fields()],
         "valid": status.get("ok", 0), "invalid_output": status.get("invalid_output", 0),
-        "retried": sum(c.get("rows", 0) for c in calls if c.get("kind") == "annotations-retry"),
-        "calls": kinds.get("annotations", 0) + kinds.get("annotations-retry", 0),
+        "retried": sum(c.get("rows", 0) for c in calls if c.get("kind") == CallKind.ANNOTATIONS_RETRY),
+        "calls": kinds.get(CallKind.ANNOTATIONS, 0) + kinds.get(CallKind.ANNOTATIONS_RETRY, 0),
     }
 
 

@@ -54,7 +54,8 @@ from pipeline.generation.engine import Completion, Engine, EngineCrashed, Sampli
 from pipeline.generation.feeder import EngineFeeder, FaultInjector
 from pipeline.generation.policy import (BatchPolicy, BatchSizeController, ControllerSettings, FixedBatchPolicy,
                                         static_batch_settings)
-from pipeline.generation.tasks import EngineCalls, annotate, map_reduce, summarize
+from pipeline.generation.tasks import (Annotation, AnnotationTask, BatchCalls, ChunkText, EngineCalls, annotate,
+                                       map_reduce, summarize)
 from pipeline.generation.hf import HFSettings, TransformersEngine
 from pipeline.generation.vllm import VLLMEngine, VLLMSettings
 from pipeline.generation.vllm_logs import python_warnings_once
@@ -161,6 +162,62 @@ def empty_output(what: str, c: Completion) -> str:
             f"{c.finish_reason or 'unknown'}); the model wrote nothing usable")
 
 
+@dataclass
+class RowOutcomes:
+    """What one batch's rows came to, row by row, as the engine calls complete them."""
+
+    status: list[str]
+    error: list[str | None]
+    summary: list[str | None]
+    output_tokens: list[int]
+    latency: list[float | None]
+    call_of: list[str | None]
+    values: list[dict[str, Any] | None] | None  # the annotations, parsed (None: the job does not annotate)
+    raw: list[str | None] | None
+
+    @classmethod
+    def of(cls, batch: pa.Table, annotating: bool) -> RowOutcomes:
+        n = batch.num_rows
+        return cls(batch.column("status").to_pylist(), batch.column("error").to_pylist(), [None] * n, [0] * n,
+                   [None] * n, [None] * n, [None] * n if annotating else None, [None] * n if annotating else None)
+
+    def completed(self, i: int, c: Completion) -> None:
+        """A summary: ok, an error, or empty (only whitespace)."""
+        self.latency[i], self.output_tokens[i] = c.latency_s, c.output_tokens
+        if c.error is not None:
+            self.status[i], self.error[i] = Status.ERROR.value, c.error
+            return
+        self.summary[i] = c.text
+        if schema.is_empty(c.text):
+            self.status[i], self.error[i] = Status.EMPTY_OUTPUT.value, empty_output("summary", c)
+
+    def annotated(self, i: int, a: Annotation) -> None:
+        """An annotation: its tokens and time add to the summary's; it fails the row when it
+        errs, is empty or does not validate (its text kept in `raw_output`)."""
+        assert self.values is not None and self.raw is not None
+        c = a.completion
+        self.output_tokens[i] += c.output_tokens
+        self.latency[i] = (self.latency[i] or 0.0) + c.latency_s
+        if c.error is not None:
+            self.status[i], self.error[i] = Status.ERROR.value, f"annotations: {c.error}"
+        elif a.value is None and schema.is_empty(c.text):
+            self.status[i], self.error[i], self.raw[i] = Status.EMPTY_OUTPUT.value, empty_output("annotation", c), c.text
+        elif a.value is None:
+            self.status[i], self.error[i], self.raw[i] = Status.INVALID_OUTPUT.value, a.invalid, c.text
+        else:
+            self.values[i] = a.value
+
+    def columns(self, parser: AnnotationParser | None, prefix: str) -> dict[str, pa.Array]:
+        """The generated columns, in output order (the annotation columns after the summary)."""
+        annotations = {}
+        if self.values is not None and parser is not None:
+            annotations = {**parser.columns(self.values, prefix), schema.RAW_OUTPUT.name: pa.array(self.raw, pa.string())}
+        return {"summary": pa.array(self.summary, pa.string()), **annotations,
+                "output_tokens": pa.array(self.output_tokens, pa.int32()),
+                "status": pa.array(self.status, pa.string()), "error": pa.array(self.error, pa.string()),
+                "latency_s": pa.array(self.latency, pa.float64())}
+
+
 class GenerateStage:
     """Engine actor: the engine is built once, here, and reused for every batch.
     `engine` replaces vLLM (the unit tests pass a fake with the same interface)."""
@@ -194,8 +251,9 @@ class GenerateStage:
         self._prep_lock = threading.Lock()
         self.annotations = settings.annotations
         self.parser = None if self.annotations is None else AnnotationParser(self.annotations.json_schema)
-        self.annotation_sampling = None if self.annotations is None else self.sampling.with_room(
-            self.annotations.max_new_tokens, self.annotations.json_schema)
+        self.annotation_task = None if self.annotations is None or self.parser is None else AnnotationTask(
+            self.sampling.with_room(self.annotations.max_new_tokens, self.annotations.json_schema),
+            self.parser.parse, self.annotations.retry_max_new_tokens)
         self.placement = where_am_i()
         self.ready_at = round(time.time(), 3)
         self.meter = self._meter(settings.pool_gate)
@@ -257,7 +315,7 @@ class GenerateStage:
         }
 
     def _summarize_chunked(self, rows: dict[int, dict[str, Any]], pieces: dict[int, list[str]],
-                           records: list[dict[str, Any]]) -> dict[int, Completion]:
+                           calls: BatchCalls) -> dict[int, Completion]:
         """Map-reduce over the batch's chunked rows, with this model's tokenizer and template."""
         with self._prep_lock:  # batches run in several threads at once
             if self.prep is None:
@@ -276,7 +334,7 @@ class GenerateStage:
             spans = windows(offsets, text, room, min(self.settings.chunk_overlap, room // 4))
             return [text[a:b] for a, b in (char_span(offsets, s, e) for s, e in spans)]
 
-        return map_reduce(self.calls, pieces, encode, split, self.bucketer.name, self.sampling, records)
+        return map_reduce(calls, pieces, ChunkText(encode, split, self.bucketer.name), self.sampling)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         if self.refused is not None:
@@ -302,85 +360,52 @@ class GenerateStage:
         self.meter.send()
 
     def _generate(self, batch: pa.Table) -> pa.Table:
-        n = batch.num_rows
-        status = batch.column("status").to_pylist()
-        token_ids = batch.column(schema.PROMPT_TOKEN_IDS).to_pylist()
-        chunk_texts = batch.column(schema.CHUNK_TEXTS).to_pylist()
-        buckets = batch.column(schema.BUCKET_INDEX).to_pylist()
-        error: list[str | None] = batch.column("error").to_pylist()
-        summary: list[str | None] = [None] * n
-        output_tokens = [0] * n
-        latency: list[float | None] = [None] * n
-        call_of: list[str | None] = [None] * n
-        records: list[dict[str, Any]] = []
-        annotating = self.annotations is not None
-        annotation_ids = batch.column(schema.ANNOTATION_TOKEN_IDS).to_pylist() if annotating else []
-        values: list[dict[str, Any] | None] = [None] * n
-        raw: list[str | None] = [None] * n
-
-        def record_completion(i: int, c: Completion) -> None:
-            latency[i], output_tokens[i] = c.latency_s, c.output_tokens
-            if c.error is not None:
-                status[i], error[i] = Status.ERROR.value, c.error
-                return
-            summary[i] = c.text
-            if schema.is_empty(c.text):
-                status[i], error[i] = Status.EMPTY_OUTPUT.value, empty_output("summary", c)
-
-        # 1. Whole documents, one engine call per bucket.
-        whole = [i for i in range(n) if status[i] == Status.OK and chunk_texts[i] is None]
-        for bucket, members in bucket_runs(whole, buckets, self.grouping, self.bucketer.names):
-            for i, (call_id, c) in summarize(self.calls, [(bucket, members)], token_ids, self.sampling,
-                                              records).items():
-                call_of[i] = call_id
-                record_completion(i, c)
-            if self.annotations is None or self.parser is None or self.annotation_sampling is None:
-                continue
-            todo = [i for i in members if status[i] == Status.OK and annotation_ids[i] is not None]
-            done = annotate(self.calls, bucket, todo, annotation_ids, self.annotation_sampling, self.parser.parse,
-                            self.annotations.retry_max_new_tokens, self.engine.max_model_len, records)
-            for i, a in done.items():
-                c, value, invalid = a.completion, a.value, a.invalid
-                output_tokens[i] += c.output_tokens
-                latency[i] = (latency[i] or 0.0) + c.latency_s
-                if c.error is not None:
-                    status[i], error[i] = Status.ERROR.value, f"annotations: {c.error}"
-                elif value is None and schema.is_empty(c.text):
-                    status[i], error[i], raw[i] = Status.EMPTY_OUTPUT.value, empty_output("annotation", c), c.text
-                elif value is None:
-                    status[i], error[i], raw[i] = Status.INVALID_OUTPUT.value, invalid, c.text
-                else:
-                    values[i] = value
-
-        # 2. Documents too long for one prompt, under `length.policy: chunk`.
-        chunked = [i for i in range(n) if status[i] == Status.OK and chunk_texts[i] is not None]
-        if chunked:
-            rows = {i: batch.slice(i, 1).to_pylist()[0] for i in chunked}
-            for i, c in self._summarize_chunked(rows, {i: chunk_texts[i] for i in chunked}, records).items():
-                record_completion(i, c)
-
-        # The calls' records ride on the batch's first row, for the report.
-        call_stats: list[str | None] = [None] * n
-        if records and n:
-            call_stats[0] = json.dumps(records)
-        out = batch.drop_columns([schema.PROMPT_TOKEN_IDS, schema.CHUNK_TEXTS, "status", "error",
-                                  *([schema.ANNOTATION_TOKEN_IDS] if annotating else [])])
-        columns = {
-            "summary": pa.array(summary, pa.string()),
-            **(self.parser.columns(values, self.annotations.column_prefix) if annotating else {}),
-            **({schema.RAW_OUTPUT.name: pa.array(raw, pa.string())} if annotating else {}),
-            "output_tokens": pa.array(output_tokens, pa.int32()),
-            "status": pa.array(status, pa.string()),
-            "error": pa.array(error, pa.string()),
-            "latency_s": pa.array(latency, pa.float64()),
-            "model": pa.array([self.model_name] * n, pa.string()),
-            "run_id": pa.array([self.run_id] * n, pa.string()),
-            schema.ENGINE_CALL: pa.array(call_of, pa.string()),
-            schema.ENGINE_CALL_STATS: pa.array(call_stats, pa.string()),
+        rows = RowOutcomes.of(batch, annotating=self.annotations is not None)
+        calls = self.calls.batch()
+        self._whole_documents(batch, rows, calls)
+        self._chunked_documents(batch, rows, calls)
+        out = batch.drop_columns([c for c in (schema.PROMPT_TOKEN_IDS, schema.CHUNK_TEXTS, "status", "error",
+                                              schema.ANNOTATION_TOKEN_IDS) if c in batch.column_names])
+        columns = rows.columns(self.parser, self.annotations.column_prefix if self.annotations else "")
+        columns |= {
+            "model": pa.array([self.model_name] * batch.num_rows, pa.string()),
+            "run_id": pa.array([self.run_id] * batch.num_rows, pa.string()),
+            schema.ENGINE_CALL: pa.array(rows.call_of, pa.string()),
+            # The calls' records ride on the batch's first row, for the report.
+            schema.ENGINE_CALL_STATS: pa.array([json.dumps(calls.records) if calls.records else None]
+                                               + [None] * (batch.num_rows - 1), pa.string())
+            if batch.num_rows else pa.array([], pa.string()),
         }
         for name, values in columns.items():
             out = out.append_column(name, values)
         return out
+
+    def _whole_documents(self, batch: pa.Table, rows: RowOutcomes, calls: BatchCalls) -> None:
+        """1. Whole documents, one engine call per bucket, then (if the job annotates) one
+        annotation call per bucket."""
+        token_ids = batch.column(schema.PROMPT_TOKEN_IDS).to_pylist()
+        chunk_texts = batch.column(schema.CHUNK_TEXTS).to_pylist()
+        buckets = batch.column(schema.BUCKET_INDEX).to_pylist()
+        whole = [i for i in range(batch.num_rows) if rows.status[i] == Status.OK and chunk_texts[i] is None]
+        annotation_ids = batch.column(schema.ANNOTATION_TOKEN_IDS).to_pylist() if self.annotation_task else []
+        for bucket, members in bucket_runs(whole, buckets, self.grouping, self.bucketer.names):
+            for i, (call_id, c) in summarize(calls, [(bucket, members)], token_ids, self.sampling).items():
+                rows.call_of[i] = call_id
+                rows.completed(i, c)
+            if self.annotation_task is None:
+                continue
+            todo = [i for i in members if rows.status[i] == Status.OK and annotation_ids[i] is not None]
+            for i, a in annotate(calls, bucket, todo, annotation_ids, self.annotation_task).items():
+                rows.annotated(i, a)
+
+    def _chunked_documents(self, batch: pa.Table, rows: RowOutcomes, calls: BatchCalls) -> None:
+        """2. Documents too long for one prompt, under `length.policy: chunk`: map-reduce."""
+        chunk_texts = batch.column(schema.CHUNK_TEXTS).to_pylist()
+        chunked = [i for i in range(batch.num_rows) if rows.status[i] == Status.OK and chunk_texts[i] is not None]
+        if chunked:
+            texts = {i: batch.slice(i, 1).to_pylist()[0] for i in chunked}
+            for i, c in self._summarize_chunked(texts, {i: chunk_texts[i] for i in chunked}, calls).items():
+                rows.completed(i, c)
 
     def __del__(self) -> None:
         # Ray Data's teardown hook for actor stages: on graceful shutdown it drops
