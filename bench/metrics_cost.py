@@ -48,7 +48,7 @@ def main() -> None:
     from pipeline.config import EngineConfig
     from pipeline.generation.vllm import VLLMEngine
     from pipeline.observe.machine import describe
-    from pipeline.observe.metrics import SNAPSHOT_INTERVAL_S, EngineMeter, RunMetrics
+    from pipeline.observe.metrics import SNAPSHOT_INTERVAL_S, EngineMeter, MeterSources, RunLabels, RunMetrics
     from pipeline.run.plan import vllm_settings
 
     model = resolve_model("tiny").path  # built in the pipeline's cache on first use
@@ -64,8 +64,8 @@ def main() -> None:
     mean_step = record.step_s / max(steps, 1)
 
     sent = []
-    meter = EngineMeter("e0", "i0", "node", lambda who, snap: sent.append(snap), feeder=feeder,
-                        policy=feeder.policy, kv_usage=lambda: engine.kv_gauges()[0], vllm=engine.metric_families)
+    meter = EngineMeter("e0", "i0", "node", lambda who, snap: sent.append(snap),
+                        MeterSources(feeder, feeder.policy, engine))
     status, buckets = ["ok"] * 128, ["le256"] * 128
     count_s = timed(lambda: meter.count(status, buckets, 25_000, 4_000), 5)
     snapshot_s = timed(meter.snapshot, 5)
@@ -77,7 +77,7 @@ def main() -> None:
     cost_per_step = count_s / steps_per_block + snapshot_s * snapshots_per_step
 
     def scrape(engines: int) -> int:
-        m = RunMetrics("bench", "run", "out", "tiny")
+        m = RunMetrics(RunLabels("bench", "run", "out", "tiny"))
         m.state.engines = [{**snap, "engine": f"e{k}"} for k in range(engines)]
         return len(m.exposition())
 

@@ -261,7 +261,7 @@ def tune(job: Path, profile: Path, input_path: str | None, overrides: tuple[str,
     and sweep.csv, sweep.json, sweep.png and profile.yaml (use it with
     `pipeline run --profile`) in --out.
     """
-    from pipeline.tools.tune.job import tune_job
+    from pipeline.tools.tune.job import TuneRequest, tune_job
     from pipeline.tools.tune.outputs import choice_lines, sweep_table
 
     out = Console()
@@ -274,7 +274,7 @@ def tune(job: Path, profile: Path, input_path: str | None, overrides: tuple[str,
 
     with exit_codes():
         config = load_run_config(job, profile, overrides, input_path, None, date=date)
-        results, info = tune_job(config, out_dir, sample, buckets, max_batch, slo, on_point=on_point,
+        results, info = tune_job(config, TuneRequest(out_dir, sample, buckets, max_batch, slo), on_point=on_point,
                                  on_stage=lambda msg: out.print(f"[dim]{msg}[/dim]"))
     meta = info["meta"]
     out.print(sweep_table(results, f"tune · {meta['job_file']} on {meta['profile_file']} · "

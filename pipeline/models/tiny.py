@@ -40,73 +40,65 @@ def build_tiny_model(
     and tests can assert determinism.
     """
     import torch
+
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = _tokenizer(seed, vocab_size, max_position_embeddings, chat=kind == "llama")
+    tokenizer.save_pretrained(out)
+    torch.manual_seed(seed)
+    model = _bart(tokenizer, max_position_embeddings) if kind == "bart" else _llama(tokenizer, max_position_embeddings)
+    with torch.no_grad():
+        model.get_output_embeddings().weight[blank_tokens(tokenizer)] = 0.0
+    if kind == "llama":
+        model = model.to(torch.bfloat16)  # on disk in the dtype the CPU backend runs, so loading casts nothing
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def _tokenizer(seed: int, vocab_size: int, max_length: int, chat: bool) -> Any:
+    """Byte-level BPE trained on the synthetic prose, so any input string encodes (no <unk>)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import BartConfig, BartForConditionalGeneration, LlamaConfig, LlamaForCausalLM
     from transformers import PreTrainedTokenizerFast
 
     from pipeline.text.synthetic import tokenizer_training_text
 
-    out.mkdir(parents=True, exist_ok=True)
-
-    # 1. Tokenizer: byte-level BPE, so any input string encodes (no <unk>).
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(tokenizer_training_text(seed), trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<s>",
-        eos_token="</s>",
-        pad_token="<pad>",
-        model_max_length=max_position_embeddings,
-    )
-    if kind == "llama":
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   model_max_length=max_length)
+    if chat:
         fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(out)
-    if kind == "bart":
-        config = BartConfig(
-            vocab_size=len(fast), d_model=64, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-            decoder_attention_heads=2, encoder_ffn_dim=128, decoder_ffn_dim=128,
-            max_position_embeddings=max_position_embeddings, bos_token_id=fast.bos_token_id,
-            eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id,
-            decoder_start_token_id=fast.eos_token_id, forced_bos_token_id=None, forced_eos_token_id=None,
-            # Untied: a random head tied to the embeddings echoes the decoder's start token, eos.
-            tie_word_embeddings=False,
-        )
-        torch.manual_seed(seed)
-        bart = BartForConditionalGeneration(config)
-        with torch.no_grad():
-            bart.get_output_embeddings().weight[blank_tokens(fast)] = 0.0
-        bart.save_pretrained(out, safe_serialization=True)
-        return out
+    return fast
 
-    # 2. Model: random weights from a seeded generator.
-    config = LlamaConfig(
-        vocab_size=len(fast),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=max_position_embeddings,
-        bos_token_id=fast.bos_token_id,
-        eos_token_id=fast.eos_token_id,
-        pad_token_id=fast.pad_token_id,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        model.get_output_embeddings().weight[blank_tokens(fast)] = 0.0
-    # bfloat16 on disk: the dtype the CPU backend runs, so loading casts nothing.
-    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
-    return out
+
+def _llama(tokenizer: Any, max_position_embeddings: int) -> Any:
+    """Two layers, hidden 128 over 2 heads (head_dim 64), tied embeddings; random weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=max_position_embeddings,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True,
+    ))
+
+
+def _bart(tokenizer: Any, max_position_embeddings: int) -> Any:
+    """One encoder and one decoder layer, d_model 64; random weights."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    return BartForConditionalGeneration(BartConfig(
+        vocab_size=len(tokenizer), d_model=64, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=128, decoder_ffn_dim=128,
+        max_position_embeddings=max_position_embeddings, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        decoder_start_token_id=tokenizer.eos_token_id, forced_bos_token_id=None, forced_eos_token_id=None,
+        # Untied: a random head tied to the embeddings echoes the decoder's start token, eos.
+        tie_word_embeddings=False,
+    ))
 
 
 def blank_tokens(tokenizer: Any) -> list[int]:

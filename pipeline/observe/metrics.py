@@ -56,6 +56,16 @@ class Watch:
     verbose: bool = False  # Ray's own progress, and every engine's warnings
 
 
+@dataclass(frozen=True)
+class RunLabels:
+    """What every series of a run is labelled with."""
+
+    job: str
+    run_id: str
+    output: str
+    model: str
+
+
 # --- the engine's side ------------------------------------------------------------------
 
 
@@ -64,17 +74,27 @@ def engine_name(actor_key: str) -> str:
     return actor_key[:8]
 
 
+@dataclass(frozen=True)
+class MeterSources:
+    """What an engine's meter reads: the feeder (rows in flight and budgets per bucket, busy
+    time), the batch policy (back-offs) and the engine (KV-cache use, its own metrics)."""
+
+    feeder: Any = None
+    policy: Any = None
+    engine: Any = None
+
+
 class EngineMeter:
     """What one engine actor reports: counted by the generate stage, read from the
     feeder, the policy and vLLM, and sent to the pool's log (`send`) every
     SNAPSHOT_INTERVAL_S and after every batch."""
 
     def __init__(self, engine: str, incarnation: str, node: str, send: Callable[[str, dict[str, Any]], None],
-                 feeder: Any = None, policy: Any = None, kv_usage: Callable[[], float] | None = None,
-                 vllm: Callable[[], list[dict[str, Any]]] | None = None):
+                 sources: MeterSources | None = None):
         self.engine, self.incarnation, self.node = engine, incarnation, node
-        self._send, self.feeder, self.policy = send, feeder, policy
-        self._kv_usage, self._vllm = kv_usage, vllm
+        self._send = send
+        sources = sources or MeterSources()
+        self.feeder, self.policy, self._engine = sources.feeder, sources.policy, sources.engine
         self._lock = threading.Lock()
         self.rows: Counter[tuple[str, str]] = Counter()  # (status, bucket) -> rows out of this engine
         self.prompt_tokens = 0
@@ -107,11 +127,11 @@ class EngineMeter:
         return {
             "engine": self.engine, "incarnation": self.incarnation, "node": self.node, "at": time.time(),
             "rows": rows, "prompt_tokens": prompt, "output_tokens": output,
-            "kv_cache_usage": self._kv_usage() if self._kv_usage else None,
+            "kv_cache_usage": self._engine.kv_gauges()[0] if self._engine is not None else None,
             "busy_ratio": totals.busy_fraction() if totals is not None else None,
             "in_flight": dict(in_flight), "budget_rows": dict(self.budget_rows),
             "backoffs": dict(backoffs), "oom_retries": getattr(totals, "oom_retries", 0),
-            "vllm": self._vllm() if self._vllm else [],
+            "vllm": self._engine.metric_families() if self._engine is not None else [],
         }
 
     def send(self) -> None:
@@ -188,12 +208,12 @@ class RunMetrics:
     thread of its own; a prometheus-client collector over it; the endpoint and the
     Pushgateway. `watchers` (the progress display) are called after each refresh."""
 
-    def __init__(self, job: str, run_id: str, output: str, model: str, *, port: int | None = None,
-                 host: str = "0.0.0.0", pushgateway: str | None = None, push_interval_s: float = 15.0,
-                 linger_s: float = 0.0, refresh_s: float = 1.0):
-        self.job, self.run_id, self.output, self.model = job, run_id, output, model
-        self.port, self.host, self.pushgateway = port, host, pushgateway
-        self.push_interval_s, self.linger_s, self.refresh_s = push_interval_s, linger_s, refresh_s
+    def __init__(self, run: RunLabels, watch: Watch | None = None, push_interval_s: float = 15.0,
+                 refresh_s: float = 1.0):
+        watch = watch or Watch(metrics_linger_s=0.0)
+        self.job, self.run_id, self.output, self.model = run.job, run.run_id, run.output, run.model
+        self.port, self.host, self.pushgateway = watch.metrics_port, watch.metrics_host, watch.pushgateway
+        self.push_interval_s, self.linger_s, self.refresh_s = push_interval_s, watch.metrics_linger_s, refresh_s
         self.state = RunState(started_at=time.time())
         self.watchers: list[Callable[[RunState], None]] = []
         self._source: Callable[[], dict[str, Any]] | None = None
@@ -229,9 +249,15 @@ class RunMetrics:
         with self._lock:
             self._source = source
 
-    def detach(self) -> None:
-        """The pool is going away: one last refresh, then no more reads of it."""
+    def detach(self, settle_s: float = 0.0) -> None:
+        """The pool is going away: one last refresh, then no more reads of it. `settle_s`:
+        every row is written, so wait up to that long for the engines' last snapshots (each
+        sent without waiting after its batch, so it may still be on its way) to say so."""
         self.refresh()
+        deadline = time.monotonic() + settle_s
+        while self.state.remaining and time.monotonic() < deadline:
+            time.sleep(0.1)
+            self.refresh()
         with self._lock:
             self._source = None
 

@@ -40,7 +40,7 @@ from pipeline.text.bucketing import LengthBucketer, window_order
 from pipeline.storage.commits import key_columns, row_keys, without
 from pipeline.config import AdaptivePolicy, RunConfig
 from pipeline.storage.inputs import InputError, check_inputs, duplicate_ids
-from pipeline.observe.metrics import RunMetrics, Watch
+from pipeline.observe.metrics import RunLabels, RunMetrics, Watch
 from pipeline.storage.output import OutputTarget, PublishError
 from pipeline.run.plan import engine_description, generate_settings, prepare_settings
 from pipeline.run.pool import EnginePool, runtime_env
@@ -53,6 +53,7 @@ from pipeline.stages.prepare import PrepareSettings, context_limit
 log = logging.getLogger(__name__)
 
 PLOT_NAME = "_batching.png"
+SETTLE_S = 5.0  # the most a finished run waits for the engines' last metrics snapshots
 
 # Quiet by default: vLLM logs every engine start at INFO, once per actor.
 WORKER_ENV_DEFAULTS = {"VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "true"}
@@ -71,11 +72,7 @@ def resolve_model(config: RunConfig) -> str:
 
 def job_inputs(config: RunConfig) -> Any:
     """The job's input, found and checked (schema, columns, template fields) without a model."""
-    i = config.job.input
-    return check_inputs(
-        i.path, i.id_column, i.text_column, config.job.template_fields(), i.on_bad_file,
-        fmt=i.format, split=i.split, subset=i.subset, job_file=config.job_file,
-    )
+    return check_inputs(config.job.input, config.job.template_fields(), job_file=config.job_file)
 
 
 def init_ray(config: RunConfig) -> None:
@@ -175,9 +172,8 @@ def run_job(config: RunConfig, run_id: str | None = None,
     `watch`: live metrics and progress (`pipeline.observe.metrics`, `pipeline.observe.progress`)."""
     run_id = run_id or new_run_id()
     watch = watch or Watch()
-    metrics = RunMetrics(config.job.name, run_id, config.job.output.path, config.profile.model.name,
-                         port=watch.metrics_port, host=watch.metrics_host, pushgateway=watch.pushgateway,
-                         linger_s=watch.metrics_linger_s)
+    metrics = RunMetrics(RunLabels(config.job.name, run_id, config.job.output.path, config.profile.model.name),
+                         watch)
     progress = progress_for(config.job.name, watch.progress, watch.progress_interval_s)
     if progress is not None:
         metrics.watchers.append(progress)
@@ -333,6 +329,7 @@ def run_dataset(ctx: RunContext, ds: Any, prepare: PrepareSettings, target: Outp
         ctx.checks["duplicate_ids"] = check.result()
         ctx.incidents = pool.incidents()
         ctx.written, ctx.generated_rows = sink.summary, sink.generated_rows
+        metrics.detach(settle_s=SETTLE_S)  # every row is written: the metrics say so before the pool goes
     finally:
         metrics.detach()
         pool.close()

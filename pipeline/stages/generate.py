@@ -60,7 +60,7 @@ from pipeline.generation.hf import HFSettings, TransformersEngine
 from pipeline.generation.vllm import VLLMEngine, VLLMSettings
 from pipeline.generation.vllm_logs import python_warnings_once
 from pipeline.text.length import char_span, windows
-from pipeline.observe.metrics import EngineMeter, engine_name
+from pipeline.observe.metrics import EngineMeter, MeterSources, engine_name
 from pipeline.schema import Status
 from pipeline.stages.lifeline import Lifeline
 from pipeline.stages.prepare import PrepareSettings, PrepareStage
@@ -272,8 +272,7 @@ class GenerateStage:
         if gate is None or not hasattr(gate, "meter"):
             return None
         meter = EngineMeter(engine_name(self.life.key), self.actor, self.placement["host"], gate.meter,
-                            feeder=self.feeder, policy=self.policy, kv_usage=lambda: self.engine.kv_gauges()[0],
-                            vllm=self.engine.metric_families)
+                            MeterSources(self.feeder, self.policy, self.engine))
         meter.start()
         return meter
 

@@ -391,9 +391,17 @@ class PrepareStage:
         for i, ids in zip(valid, self.encode([self.render(rows[i], work[i].text) for i in valid])):
             work[i].ids = ids
             work[i].prompt_tokens = work[i].bucket_tokens = len(ids)
+        self._fit_long_rows(rows, work, valid)  # 3.
+        if self.annotator is not None:
+            self._annotation_prompts(rows, work, valid)  # 4.
+        for name, values in self._columns(work).items():  # 5.
+            batch = batch.append_column(name, values)
+        return batch
 
-        # 3. Rows past the smallest limit may be too long; for those only, measure
-        #    what the template adds around the text (its other fields vary by row).
+    def _fit_long_rows(self, rows: list[dict[str, Any]], work: list[_Row], valid: list[int]) -> None:
+        """3. Rows past the smallest limit may be too long; for those only, measure what the
+        template adds around the text (its other fields vary by row), then truncate, chunk
+        or skip them, as the job says."""
         limits = [self.max_prompt_tokens, self.max_text_tokens, self.cap_prompt_tokens]
         smallest = min(x for x in limits if x is not None)
         long_rows = [i for i in valid if len(work[i].ids) > smallest]
@@ -419,21 +427,24 @@ class PrepareStage:
             else:
                 self._chunk(w, cap, overhead[i])
 
-        # 4. The annotation prompt, over the same (possibly truncated) text.
-        if self.annotator is not None:
-            todo = [i for i in valid if work[i].status == Status.OK and work[i].chunk_texts is None]
-            texts = [work[i].prompt_text or work[i].text for i in todo]
-            prompts = [self.annotator.render({**rows[i], self.text_column: t}) for i, t in zip(todo, texts)]
-            for i, ids in zip(todo, self.encode(prompts)):
-                w = work[i]
-                if len(ids) > self.max_annotation_prompt:
-                    w.fail(Status.ERROR, f"the annotation prompt is {len(ids)} tokens; the context fits "
-                                         f"{self.max_annotation_prompt} with annotations.max_new_tokens left")
-                    continue
-                w.annotation_ids = ids
-                w.bucket_tokens = max(w.bucket_tokens, len(ids))
+    def _annotation_prompts(self, rows: list[dict[str, Any]], work: list[_Row], valid: list[int]) -> None:
+        """4. The annotation prompt, over the same (possibly truncated) text."""
+        assert self.annotator is not None
+        todo = [i for i in valid if work[i].status == Status.OK and work[i].chunk_texts is None]
+        texts = [work[i].prompt_text or work[i].text for i in todo]
+        prompts = [self.annotator.render({**rows[i], self.text_column: t}) for i, t in zip(todo, texts)]
+        for i, ids in zip(todo, self.encode(prompts)):
+            w = work[i]
+            if len(ids) > self.max_annotation_prompt:
+                w.fail(Status.ERROR, f"the annotation prompt is {len(ids)} tokens; the context fits "
+                                     f"{self.max_annotation_prompt} with annotations.max_new_tokens left")
+                continue
+            w.annotation_ids = ids
+            w.bucket_tokens = max(w.bucket_tokens, len(ids))
 
-        # 5. Bucket; a row never tokenized has no bucket (index 0 only orders it).
+    def _columns(self, work: list[_Row]) -> dict[str, pa.Array]:
+        """5. The columns this stage adds, bucket included; a row never tokenized has no
+        bucket (index 0 only orders it)."""
         index = [self.bucketer.index(w.bucket_tokens) for w in work]
         columns: dict[str, pa.Array] = {
             "prompt_tokens": pa.array([w.prompt_tokens for w in work], pa.int32()),
@@ -452,9 +463,7 @@ class PrepareStage:
         if self.annotator is not None:
             columns[schema.ANNOTATION_TOKEN_IDS] = pa.array([w.annotation_ids for w in work], pa.list_(pa.int32()))
         columns[schema.PREPARED_AT] = pa.array([time.time()] * len(work), pa.float64())
-        for name, values in columns.items():
-            batch = batch.append_column(name, values)
-        return batch
+        return columns
 
     def text_tokens(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """A row's text alone, as plain text (what the prompt holds of it), with character offsets."""

@@ -28,6 +28,7 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from pipeline.config.models import InputConfig
 from pipeline.storage.fs import resolve
 
 _WILDCARDS = "*?["
@@ -264,20 +265,20 @@ def _dataset_schema(ds: Any) -> pa.Schema:
     return ds.features.arrow_schema
 
 
-def check_inputs(path: str, id_column: str, text_column: str,
-                 template_fields: dict[str, set[str]] | set[str], on_bad_file: str = "fail",
-                 fmt: str = "auto", split: str = "train", subset: str | None = None,
+def check_inputs(source: InputConfig, template_fields: dict[str, set[str]] | set[str],
                  job_file: str | None = None) -> InputFiles:
     """Find the input, read its schema, and check the columns the job needs.
 
     `template_fields`: what each template names, by job key: a column (`text`) or a
     struct column's field (`meta.title`, which must be a field of a struct column).
-    Parquet: with `on_bad_file="skip"` a file that fails a check is left out
+    Parquet: with `on_bad_file: skip` a file that fails a check is left out
     and listed in `skipped`; otherwise the first one stops the run.
     """
     if isinstance(template_fields, set):
         template_fields = {"prompt.template": template_fields}
-    fmt = detect_format(path) if fmt == "auto" else fmt
+    path, id_column, text_column = source.path, source.id_column, source.text_column
+    on_bad_file, split, subset = source.on_bad_file, source.split, source.subset
+    fmt = detect_format(path) if source.format == "auto" else source.format
     if fmt != "parquet":
         ds = _load_dataset(path, fmt, split, subset)
         ds_schema = _dataset_schema(ds)

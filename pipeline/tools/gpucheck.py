@@ -52,55 +52,58 @@ def synthetic_corpus(rows: int, vocab: int, seed: int = 0, median: int = 300, si
     return out
 
 
+def run_phase(engine: Any, name: str, settings: ControllerSettings, buckets: dict[str, list[tuple[int, list[int]]]],
+              sampling: Sampling, initial: int | None = None) -> dict[str, Any]:
+    """One pass of the buckets' rows through the feeder and a fresh controller: per bucket,
+    every batch it ran (rows, pressure, OOM), whether one reached the band, its trajectory."""
+    controller = BatchSizeController(settings, kv_capacity_tokens=lambda: engine.kv_cache_tokens,
+                                     initial_budget_tokens=initial)
+    feeder = EngineFeeder(engine, controller, feed="drain", stock_engine_queue=False)
+    out: dict[str, Any] = {"name": name, "target": settings.target, "buckets": {}}
+    for bucket in sorted(buckets, key=BUCKETS.names.index):
+        rows = buckets[bucket]
+        first = len(engine.peaks)
+        result = feeder.serve(bucket, rows, sampling)
+        batches = list(engine.peaks)[first:]
+        done = [c for c in result.completions.values() if c.error is None]
+        pressures = [b["pressure"] for b in batches if not b.get("oom")]
+        peak = max(pressures, default=0.0)
+        out["buckets"][bucket] = {
+            "rows": len(rows), "done": len(done), "batches": batches, "peak_pressure": round(peak, 4),
+            # Grown into the band: a batch within it (the controller holds the next ones near it).
+            "in_band": any(BAND[0] <= p <= BAND[1] for p in pressures),
+            "ooms": sum(1 for b in batches if b.get("oom")),
+            "trajectory": controller.trajectory(bucket)["steps"],
+        }
+    out["ooms"] = sum(b["ooms"] for b in out["buckets"].values())
+    return out
+
+
 def run_check(engine: Any, prompts: list[list[int]], max_new_tokens: int = 32, target: float = 0.90,
               log: Any = None) -> dict[str, Any]:
     """Steps 3 to 5 on any engine with the transformers engine's interface (the unit tests
     pass a fake device's). The result says, per bucket, how its batches grew."""
-    say = log or (lambda msg: None)
     started = time.monotonic()
     sampling = Sampling(max_new_tokens=max_new_tokens)
     by_bucket: dict[str, list[tuple[int, list[int]]]] = {}
     for i, ids in enumerate(prompts):
         by_bucket.setdefault(BUCKETS.name(len(ids)), []).append((i, ids))
-    order = sorted(by_bucket, key=BUCKETS.names.index)
-
-    def phase(name: str, settings: ControllerSettings, buckets: dict[str, list[tuple[int, list[int]]]],
-              initial: int | None = None) -> dict[str, Any]:
-        controller = BatchSizeController(settings, kv_capacity_tokens=lambda: engine.kv_cache_tokens,
-                                         initial_budget_tokens=initial)
-        feeder = EngineFeeder(engine, controller, feed="drain", stock_engine_queue=False)
-        out: dict[str, Any] = {"name": name, "target": settings.target, "buckets": {}}
-        for bucket in [b for b in order if b in buckets]:
-            rows = buckets[bucket]
-            first = len(engine.peaks)
-            result = feeder.serve(bucket, rows, sampling)
-            batches = list(engine.peaks)[first:]
-            done = [c for c in result.completions.values() if c.error is None]
-            pressures = [b["pressure"] for b in batches if not b.get("oom")]
-            peak = max(pressures, default=0.0)
-            out["buckets"][bucket] = {
-                "rows": len(rows), "done": len(done), "batches": batches, "peak_pressure": round(peak, 4),
-                # Grown into the band: a batch within it (the controller holds the next ones near it).
-                "in_band": any(BAND[0] <= p <= BAND[1] for p in pressures),
-                "ooms": sum(1 for b in batches if b.get("oom")),
-                "trajectory": controller.trajectory(bucket)["steps"],
-            }
-            say(f"{name} {bucket}: {len(rows)} rows in {len(batches)} batches, peak {peak:.2f} of the cap, "
-                f"{out['buckets'][bucket]['ooms']} out-of-memory")
-        out["ooms"] = sum(b["ooms"] for b in out["buckets"].values())
-        return out
-
-    phases = [phase("grow", static_batch_settings(target, engine.max_num_seqs), by_bucket)]
+    settings = static_batch_settings(target, engine.max_num_seqs)
+    phases = [run_phase(engine, "grow", settings, by_bucket, sampling)]
     if phases[0]["ooms"] == 0 and engine.kv_cache_tokens:
         # A target above 1.0: start one bucket's batch at 1.5x what the memory holds.
         # Its rows again, as many as twice the capacity takes, as fresh requests.
-        bucket = max(order, key=lambda b: len(by_bucket[b]))
+        bucket = max(by_bucket, key=lambda b: len(by_bucket[b]))
         pool = [ids for _, ids in by_bucket[bucket]]
         per_row = sum(map(len, pool)) / len(pool) + max_new_tokens
         needed = min(engine.max_num_seqs, math.ceil(2 * engine.kv_cache_tokens / per_row))
         rows = [(k, pool[k % len(pool)]) for k in range(needed)]
-        phases.append(phase("overshoot", static_batch_settings(target, engine.max_num_seqs),
-                            {bucket: rows}, initial=int(1.5 * engine.kv_cache_tokens)))
+        phases.append(run_phase(engine, "overshoot", settings, {bucket: rows}, sampling,
+                                initial=int(1.5 * engine.kv_cache_tokens)))
+    for phase in phases:
+        for bucket, v in phase["buckets"].items():
+            (log or (lambda _m: None))(f"{phase['name']} {bucket}: {v['rows']} rows in {len(v['batches'])} batches, "
+                                       f"peak {v['peak_pressure']:.2f} of the cap, {v['ooms']} out-of-memory")
     grow = phases[0]["buckets"]
     # A bucket too small to fill three batches at the band can't show its growth: not judged.
     capacity = engine.kv_cache_tokens or 0

@@ -150,11 +150,14 @@ def exported(vllm: list[dict[str, Any]]) -> dict[str, set[str]]:
     through the real collector over a real engine snapshot."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from pipeline.observe.metrics import EngineMeter, RunMetrics
+    from pipeline.observe.metrics import EngineMeter, MeterSources, RunLabels, RunMetrics
 
-    metrics = RunMetrics("nightly", "run-1", "s3://bucket/out", "Qwen/Qwen2.5-0.5B-Instruct")
-    meter = EngineMeter("a1b2c3d4", "a1b2c3d4e5", "node-1", lambda incarnation, snap: None, feeder=_Feeder(),
-                        policy=_Policy(), kv_usage=lambda: 0.6, vllm=lambda: vllm)
+    metrics = RunMetrics(RunLabels("nightly", "run-1", "s3://bucket/out", "Qwen/Qwen2.5-0.5B-Instruct"))
+    from types import SimpleNamespace
+
+    gauges = SimpleNamespace(kv_gauges=lambda: (0.6, 0), metric_families=lambda: vllm)
+    meter = EngineMeter("a1b2c3d4", "a1b2c3d4e5", "node-1", lambda incarnation, snap: None,
+                        MeterSources(_Feeder(), _Policy(), gauges))
     meter.count(["ok", "ok", "failed"], ["short", "long", None], prompt_tokens=300, output_tokens=900)
     s = metrics.state
     s.rows_in, s.resumed_rows = 100, 10

@@ -5,6 +5,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import pytest
 
+from pipeline.config import InputConfig
 from pipeline.storage.inputs import InputError, check_inputs, detect_format, duplicate_ids, list_files
 
 
@@ -25,32 +26,32 @@ def test_file_folder_and_glob(tmp_path):
     assert [f.rsplit("/", 1)[1] for f in files] == ["a.parquet", "b.parquet"]
     _, files = list_files(str(tmp_path / "d" / "*.parquet"))
     assert [f.rsplit("/", 1)[1] for f in files] == ["a.parquet"]
-    assert check_inputs(str(tmp_path / "d"), "id", "text", {"text"}).rows == 5
+    assert check_inputs(InputConfig(path=str(tmp_path / "d")), {"text"}).rows == 5
     assert len(list_files(str(tmp_path / "d" / "a.parquet"))[1]) == 1
 
 
 def test_errors_name_file_and_column(tmp_path):
     missing = tmp_path / "nope"
     with pytest.raises(InputError, match="no such file"):
-        check_inputs(str(missing), "id", "text", set())
+        check_inputs(InputConfig(path=str(missing)), set())
     f = tmp_path / "x.parquet"
     pq.write_table(table(), f)
     with pytest.raises(InputError, match=rf"{f}: id column 'doc_id' is missing"):
-        check_inputs(str(f), "doc_id", "text", set())
+        check_inputs(InputConfig(path=str(f), id_column="doc_id"), set())
     with pytest.raises(InputError, match=rf"jobs/x.yaml: prompt.template names \['title'\], which are not columns of {f}"):
-        check_inputs(str(f), "id", "text", {"prompt.template": {"text", "title"}}, job_file="jobs/x.yaml")
+        check_inputs(InputConfig(path=str(f)), {"prompt.template": {"text", "title"}}, job_file="jobs/x.yaml")
     g = tmp_path / "g.parquet"
     pq.write_table(pa.table({"id": ["a"], "text": [1]}), g)
     with pytest.raises(InputError, match=rf"{g}: text column .text. is int64, expected string \(or binary\)"):
-        check_inputs(str(g), "id", "text", set())
+        check_inputs(InputConfig(path=str(g)), set())
     corrupt = tmp_path / "c.parquet"
     corrupt.write_bytes(b"PAR1 not really")
     with pytest.raises(InputError, match=rf"{corrupt}: not a readable Parquet file"):
-        check_inputs(str(corrupt), "id", "text", set())
+        check_inputs(InputConfig(path=str(corrupt)), set())
     with pytest.raises(InputError, match="matches no Parquet files"):
-        check_inputs(str(tmp_path / "none-*.parquet"), "id", "text", set())
+        check_inputs(InputConfig(path=str(tmp_path / "none-*.parquet")), set())
     with pytest.raises(InputError, match="no csv files"):
-        check_inputs(str(tmp_path / "*.csv"), "id", "text", set())
+        check_inputs(InputConfig(path=str(tmp_path / "*.csv")), set())
 
 
 def _rows(n: int = 6) -> list[dict]:
@@ -77,7 +78,7 @@ def test_datasets_sources_are_found_checked_and_read(tmp_path, kind):
         path = tmp_path / "saved"
         datasets.Dataset.from_list(rows).save_to_disk(str(path))
     assert detect_format(str(path)) == ("json" if kind == "jsonl" else kind)
-    inputs = check_inputs(str(path), "id", "text", {"text", "source"})
+    inputs = check_inputs(InputConfig(path=str(path)), {"text", "source"})
     assert inputs.rows == len(rows)
     assert inputs.schema.field("text").type in (pa.string(), pa.large_string())
     assert duplicate_ids(inputs, "id") == (0, [])
@@ -95,14 +96,14 @@ def test_datasets_sources_name_the_path_and_column(tmp_path):
     path = tmp_path / "c.jsonl"
     path.write_text("".join(json.dumps({"doc": r["id"], "text": r["text"]}) + "\n" for r in _rows(2)))
     with pytest.raises(InputError, match=rf"{path}: id column 'id' is missing"):
-        check_inputs(str(path), "id", "text", set())
+        check_inputs(InputConfig(path=str(path)), set())
     dup = tmp_path / "dup.jsonl"
     dup.write_text("".join(json.dumps(r) + "\n" for r in _rows(2) * 2))
-    assert duplicate_ids(check_inputs(str(dup), "id", "text", set()), "id") == (2, ["d0", "d1"])
+    assert duplicate_ids(check_inputs(InputConfig(path=str(dup)), set()), "id") == (2, ["d0", "d1"])
     bad = tmp_path / "bad.json"
     bad.write_text("{ not json")
     with pytest.raises(InputError, match=rf"{bad}: cannot load as json"):
-        check_inputs(str(bad), "id", "text", set())
+        check_inputs(InputConfig(path=str(bad)), set())
 
 
 def test_hub_names_are_detected_and_fail_clearly_offline(tmp_path, monkeypatch):
@@ -115,7 +116,7 @@ def test_hub_names_are_detected_and_fail_clearly_offline(tmp_path, monkeypatch):
     assert detect_format("someone/some-dataset") == "hub"
     assert detect_format(str(tmp_path)) == "parquet"
     with pytest.raises(InputError, match=r"someone/some-dataset: cannot load as hub \(is the network reachable"):
-        check_inputs("someone/some-dataset", "id", "text", set())
+        check_inputs(InputConfig(path="someone/some-dataset"), set())
 
 
 def test_reading_a_parent_folder_skips_staging_and_underscore_folders(tmp_path):
@@ -150,9 +151,9 @@ def test_duplicate_ids_across_parquet_files_are_found_on_the_cluster(tmp_path):
     pq.write_table(pa.table({"id": ["f", "g"], "text": ["t"] * 2}), tmp_path / "3.parquet")
     ray.init(num_cpus=2, include_dashboard=False)
     try:
-        repeated, examples = duplicate_ids(check_inputs(str(tmp_path), "id", "text", set()), "id")
+        repeated, examples = duplicate_ids(check_inputs(InputConfig(path=str(tmp_path)), set()), "id")
         assert (repeated, sorted(examples)) == (2, ["a", "b"])
-        assert duplicate_ids(check_inputs(str(tmp_path / "3.parquet"), "id", "text", set()), "id") == (0, [])
+        assert duplicate_ids(check_inputs(InputConfig(path=str(tmp_path / "3.parquet")), set()), "id") == (0, [])
     finally:
         ray.shutdown()
 
@@ -178,7 +179,7 @@ def test_a_page_that_cannot_be_decoded_fails_the_check_naming_file_and_column(tm
     pq.write_table(long_table(), f, compression=compression)
     corrupt_page(f, column)
     with pytest.raises(InputError, match=rf"^{f}: row group 0, column '{column}' cannot be decoded: "):
-        check_inputs(str(f), "id", "text", set())
+        check_inputs(InputConfig(path=str(f)), set())
 
 
 def test_page_checksums_catch_bytes_that_still_decode(tmp_path):
@@ -188,14 +189,14 @@ def test_page_checksums_catch_bytes_that_still_decode(tmp_path):
     f.write_bytes(data.replace(b"document 499 says", b"document 498 says"))
     assert pq.read_table(f).column("text")[499].as_py().startswith("document 498")  # decodes, wrongly
     with pytest.raises(InputError, match=rf"^{f}: row group 0, column 'text' cannot be decoded: .*CRC"):
-        check_inputs(str(f), "id", "text", set())
+        check_inputs(InputConfig(path=str(f)), set())
 
 
 def test_with_skip_an_undecodable_file_is_left_out_and_listed(tmp_path):
     pq.write_table(long_table(), tmp_path / "bad.parquet")
     corrupt_page(tmp_path / "bad.parquet", "text")
     pq.write_table(table(), tmp_path / "good.parquet")
-    inputs = check_inputs(str(tmp_path), "id", "text", set(), on_bad_file="skip")
+    inputs = check_inputs(InputConfig(path=str(tmp_path), on_bad_file="skip"), set())
     assert inputs.paths == [str(tmp_path / "good.parquet")] and inputs.rows == 3
     assert [s["file"] for s in inputs.skipped] == [str(tmp_path / "bad.parquet")]
     assert "column 'text' cannot be decoded" in inputs.skipped[0]["reason"]
@@ -208,11 +209,11 @@ def test_an_id_that_is_not_valid_utf8_makes_a_bad_file_naming_column_and_row(tmp
     ids = pa.array([b"a", b"b", None, b"caf\xc3", b"e"], pa.binary()).view(pa.string())
     pq.write_table(pa.table({"id": ids, "text": ["t"] * 5}), f, row_group_size=2)
     with pytest.raises(InputError, match=rf"^{f}: id column 'id' is not valid UTF-8 at row 3 \(row group 1\)"):
-        check_inputs(str(f), "id", "text", set())
+        check_inputs(InputConfig(path=str(f)), set())
     pq.write_table(table(), tmp_path / "good.parquet")
-    inputs = check_inputs(str(tmp_path), "id", "text", set(), on_bad_file="skip")
+    inputs = check_inputs(InputConfig(path=str(tmp_path), on_bad_file="skip"), set())
     assert inputs.paths == [str(tmp_path / "good.parquet")]
     assert "at row 3" in inputs.skipped[0]["reason"]
     text = pa.array([b"ok", b"\xff"], pa.binary()).view(pa.string())
     pq.write_table(pa.table({"id": ["a", "b"], "text": text}), f)
-    assert check_inputs(str(f), "id", "text", set()).rows == 2
+    assert check_inputs(InputConfig(path=str(f)), set()).rows == 2

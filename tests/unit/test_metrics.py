@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.generation.feeder import FeederTotals
-from pipeline.observe.metrics import EngineMeter, RunMetrics, merge
+from pipeline.observe.metrics import EngineMeter, MeterSources, RunLabels, RunMetrics, Watch, merge
 from pipeline.observe.progress import ProgressLines, summary_line
 
 
@@ -33,8 +33,9 @@ def meter(engine="e1", incarnation="i1", sent=None):
     feeder = SimpleNamespace(open_calls=lambda: calls, totals=totals)
     vllm = [{"name": "vllm:num_requests_running", "type": "gauge", "doc": "running",
              "samples": [("vllm:num_requests_running", {"engine": "0", "model_name": "tiny"}, 5.0)]}]
+    gauges = SimpleNamespace(kv_gauges=lambda: (0.42, 0), metric_families=lambda: vllm)
     return EngineMeter(engine, incarnation, "node-a", lambda who, snap: (sent or []).append((who, snap)),
-                       feeder=feeder, policy=Policy(), kv_usage=lambda: 0.42, vllm=lambda: vllm)
+                       MeterSources(feeder, Policy(), gauges))
 
 
 def test_an_engine_snapshot_holds_its_rows_budgets_backoffs_and_vllms_own():
@@ -59,8 +60,9 @@ def test_a_restarted_engine_keeps_what_its_dead_incarnation_counted():
     assert [e["incarnation"] for e in engines] == ["i2"]  # gauges: the live incarnation's
 
 
-def run_metrics(**kw) -> RunMetrics:
-    m = RunMetrics("nightly_summarize", "run-1", "/data/out", "tiny", **kw)
+def run_metrics(port=None, host="0.0.0.0", pushgateway=None, linger_s=0.0, **kw) -> RunMetrics:
+    watch = Watch(metrics_port=port, metrics_host=host, pushgateway=pushgateway, metrics_linger_s=linger_s)
+    m = RunMetrics(RunLabels("nightly_summarize", "run-1", "/data/out", "tiny"), watch, **kw)
     snaps = []
     for engine in ("e1", "e2"):
         x = meter(engine=engine, incarnation=engine + "-1")
@@ -190,3 +192,26 @@ def test_the_pool_log_gives_every_incarnations_snapshot_and_restarts_per_engine(
     got = log.metrics()
     assert sorted(s["at"] for s in got["snapshots"]) == [1, 3]
     assert got["restarts"] == {"ab12cd34": 1} and got["stalls"] == {"ab12cd34": 1}
+
+
+def test_a_finished_run_waits_for_the_engines_last_snapshots_before_the_pool_goes():
+    """The last batch's snapshot is sent without waiting: when every row is written, the
+    metrics wait (a bounded time) for it, so the final values say 100%, not 90%."""
+    m = run_metrics()
+    last = meter(engine="e3", incarnation="e3-1")
+    last.count(["ok"] * 10, ["le256"] * 10, 100, 16)
+    arrived_at = time.monotonic() + 0.5
+    pool = {"snapshots": [], "restarts": {}, "stalls": {}}
+    early = m._source()["snapshots"]
+
+    def source():
+        late = [last.snapshot()] if time.monotonic() >= arrived_at else []
+        return {**pool, "snapshots": early + late}
+
+    m.attach(source)
+    m.detach(settle_s=5.0)
+    assert m.state.remaining == 0 and m.state.done == 100
+    m2 = run_metrics()
+    started = time.monotonic()
+    m2.detach(settle_s=0.3)  # the rows never come: it gives up after the bound
+    assert m2.state.remaining == 10 and time.monotonic() - started < 2

@@ -6,6 +6,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from pipeline.config import InputConfig
 from pipeline.config import ConfigError, load_run_config
 from pipeline.storage.inputs import InputError, check_inputs
 from pipeline.stages.prepare import PrepareSettings, PrepareStage, Prompt, PromptRenderer
@@ -50,14 +51,14 @@ def _meta(titles):
 def test_struct_fields_are_checked_against_the_schema(tmp_path):
     f = tmp_path / "x.parquet"
     pq.write_table(pa.table({"id": ["a"], "text": ["t"], "meta": _meta(["T"])}), f)
-    assert check_inputs(str(f), "id", "text", {"prompt.template": {"text", "meta.title"}}).rows == 1
+    assert check_inputs(InputConfig(path=str(f)), {"prompt.template": {"text", "meta.title"}}).rows == 1
     with pytest.raises(InputError, match=r"jobs/x.yaml: prompt.template names \{meta.author\}, but struct column "
                                          r"'meta' of .* has no field 'author' \(fields: title, year\)"):
-        check_inputs(str(f), "id", "text", {"prompt.template": {"meta.author"}}, job_file="jobs/x.yaml")
+        check_inputs(InputConfig(path=str(f)), {"prompt.template": {"meta.author"}}, job_file="jobs/x.yaml")
     with pytest.raises(InputError, match=r"names \{text.title\}, but column 'text' of .* is string, not a struct"):
-        check_inputs(str(f), "id", "text", {"prompt.template": {"text.title"}})
+        check_inputs(InputConfig(path=str(f)), {"prompt.template": {"text.title"}})
     with pytest.raises(InputError, match=r"names \['info.title'\], which are not columns"):
-        check_inputs(str(f), "id", "text", {"prompt.template": {"info.title"}})
+        check_inputs(InputConfig(path=str(f)), {"prompt.template": {"info.title"}})
 
 
 def stage_for(tiny_model, template, null_as=""):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
-
 
 from pipeline.config import RunConfig
 from pipeline.storage.inputs import InputError
@@ -17,18 +17,30 @@ from pipeline.tools.tune.outputs import TUNE_OUT, write_outputs
 from pipeline.tools.tune.sweep import BucketResult, collect_sample, run_sweep, tuning_engine
 
 
-def tune_job(config: RunConfig, out: Path, sample: int = 64, buckets: tuple[str, ...] = (),
-             max_batch: int | None = None, latency_slo_p99_ms: float | None = None,
-             on_point: Callable[[str, SweepPoint], None] | None = None,
+@dataclass(frozen=True)
+class TuneRequest:
+    """What `pipeline tune` was asked: where its files go, prompts per bucket, the buckets
+    (none: every one the sample has), the largest batch to try, and a P99 latency target."""
+
+    out: Path
+    sample: int = 64
+    buckets: tuple[str, ...] = ()
+    max_batch: int | None = None
+    latency_slo_p99_ms: float | None = None
+
+
+def tune_job(config: RunConfig, request: TuneRequest, on_point: Callable[[str, SweepPoint], None] | None = None,
              on_stage: Callable[[str], None] | None = None) -> tuple[dict[str, BucketResult], dict[str, Any]]:
     """Sweep the job's buckets on a sample of its input; (results, {meta, paths})."""
-    from pipeline.text.bucketing import LengthBucketer
     from pipeline.run.job import job_inputs, resolve_model
+    from pipeline.run.plan import prepare_settings
     from pipeline.stages.prepare import context_limit
+    from pipeline.text.bucketing import LengthBucketer
 
     say = on_stage or (lambda _msg: None)
     job, profile = config.job, config.profile
-    TUNE_OUT.check(out)  # before the sweep, and again when it writes
+    buckets, sample = request.buckets, request.sample
+    TUNE_OUT.check(request.out)  # before the sweep, and again when it writes
     names = LengthBucketer(profile.bucketing.boundaries).names
     unknown = sorted(set(buckets) - set(names))
     if unknown:
@@ -36,9 +48,9 @@ def tune_job(config: RunConfig, out: Path, sample: int = 64, buckets: tuple[str,
     inputs = job_inputs(config)
     started = time.monotonic()
     model_path = resolve_model(config)
-    max_model_len = context_limit(model_path, profile.engine.max_model_len)
+    prepare = prepare_settings(config, model_path, context_limit(model_path, profile.engine.max_model_len))
     say(f"sampling up to {sample} prompts per bucket from {job.input.path}")
-    prompts = collect_sample(config, inputs, model_path, max_model_len, sample, set(buckets) or None)
+    prompts = collect_sample(prepare, inputs, sample, set(buckets) or None)
     if not prompts:
         raise InputError(f"{job.input.path}: no row could be prompted"
                          + (f" in buckets {', '.join(buckets)}" if buckets else ""))
@@ -47,7 +59,7 @@ def tune_job(config: RunConfig, out: Path, sample: int = 64, buckets: tuple[str,
         + (f" (none in {', '.join(missing)})" if missing else "") + "; starting the engine")
     engine = tuning_engine(config, model_path)
     try:
-        results = run_sweep(config, engine, prompts, max_batch, latency_slo_p99_ms, on_point)
+        results = run_sweep(config, engine, prompts, request.max_batch, request.latency_slo_p99_ms, on_point)
     finally:
         engine.close()
     meta = {
@@ -59,7 +71,7 @@ def tune_job(config: RunConfig, out: Path, sample: int = 64, buckets: tuple[str,
         "sample_per_bucket": sample,
         "sample_rows": sum(len(p) for p in prompts.values()),
         "max_new_tokens": job.sampling.max_new_tokens,
-        "latency_slo_p99_ms": latency_slo_p99_ms,
+        "latency_slo_p99_ms": request.latency_slo_p99_ms,
         "engine": {"startup_s": round(engine.startup_s, 2), "max_num_seqs": engine.max_num_seqs,
                    "kv_cache_tokens": engine.kv_cache_tokens, "max_model_len": engine.max_model_len,
                    "prefix_caching": False},
@@ -67,5 +79,5 @@ def tune_job(config: RunConfig, out: Path, sample: int = 64, buckets: tuple[str,
         "machine": {**describe(), "accelerator": profile.hardware.accelerator},
         "skipped_buckets": missing,
     }
-    paths = write_outputs(out, config, results, meta)
+    paths = write_outputs(request.out, config, results, meta)
     return results, {"meta": meta, "paths": paths}

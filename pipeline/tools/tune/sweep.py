@@ -37,6 +37,7 @@ import pyarrow as pa
 
 from pipeline import schema
 from pipeline.config import RunConfig
+from pipeline.stages.prepare import PrepareSettings
 from pipeline.generation.engine import Engine, Sampling
 from pipeline.generation.feeder import CallOutOfMemory, EngineFeeder
 from pipeline.generation.policy import FixedBatchPolicy
@@ -172,14 +173,12 @@ def iter_batches(inputs: Any, rows: int = 1024) -> Iterator[pa.Table]:
             yield batch
 
 
-def collect_sample(config: RunConfig, inputs: Any, model_path: str, max_model_len: int,
-                   per_bucket: int, buckets: set[str] | None = None,
+def collect_sample(prepare: PrepareSettings, inputs: Any, per_bucket: int, buckets: set[str] | None = None,
                    max_scan_rows: int = 100_000) -> dict[str, list[list[int]]]:
     """Up to `per_bucket` prompts (token ids) per bucket, through the job's own prepare stage."""
-    from pipeline.run.plan import prepare_settings
     from pipeline.stages.prepare import PrepareStage
 
-    prep = PrepareStage(prepare_settings(config, model_path, max_model_len))
+    prep = PrepareStage(prepare)
     sample: dict[str, list[list[int]]] = {}
     scanned = 0
     for batch in iter_batches(inputs):
