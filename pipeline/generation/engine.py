@@ -116,7 +116,7 @@ def is_oom(error: BaseException) -> bool:
 
 class Engine(Protocol):
     """A steppable engine: what the feeder, the generate stage and the metrics call, and
-    nothing more (`tests/unit/test_engine_protocol.py` checks that both engines have
+    nothing more (`tests/unit/generation/test_engine_protocol.py` checks that both engines have
     every member). `max_num_seqs` is how many requests it runs at once (it queues the
     rest itself); `max_model_len` is the longest prompt plus output it takes;
     `kv_cache_tokens` its KV-cache capacity where it has one. `pads_batches`: it runs

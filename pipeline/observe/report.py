@@ -133,7 +133,7 @@ class RunReport:
     """`_report.json`: one typed record of a run, in the order the file shows it.
 
     The nested sections stay plain JSON objects (their keys are pinned by
-    tests/integration/test_report_schema.py). `passages` and `annotations` are
+    tests/integration/run/test_report_schema.py). `passages` and `annotations` are
     left out of the file for jobs without them.
     """
 

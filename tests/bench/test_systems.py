@@ -2,12 +2,9 @@
 
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-import pytest
 
 from bench.compare import run_system
 from pipeline.tools.dev.corpus import write_corpus
-
-pytestmark = pytest.mark.integration
 
 
 def test_raw_vllm_generates_every_prompt_and_reports_throughput(tmp_path, tiny_model):

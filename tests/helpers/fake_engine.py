@@ -1,4 +1,5 @@
-"""A fake engine with the real `Engine` interface, for unit tests only.
+"""Fake engines with the real `Engine` interface, for unit tests only: `FakeEngine`
+(continuous batching) and `FakeDevice` (static batches on a device of fixed memory).
 
 Real vLLM runs the same code in tests/integration. The fake makes the edge cases
 deterministic: when completions happen, what text comes back, when an
@@ -7,9 +8,12 @@ out-of-memory strikes, when the engine dies.
 
 from __future__ import annotations
 
+import itertools
+import time
+
 from collections.abc import Callable
 
-from pipeline.generation.engine import Completion, EngineDead, Sampling
+from pipeline.generation.engine import Completion, EngineDead, PaddingTotals, Sampling
 
 
 def default_reply(ids: list[int], sampling: Sampling) -> str:
@@ -96,3 +100,58 @@ class FakeEngine:
 
     def close(self):
         self.closed = True
+
+
+class FakeDevice:
+    """A static-batch engine on a device of `capacity` bytes: a batch costs the weights
+    plus `per_token` bytes per batch token (rows x (padded prompt + new tokens)), and one
+    over the capacity raises as CUDA does. Reports like the transformers engine."""
+
+    pads_batches = True
+
+    def __init__(self, capacity=2e9, weights=5e8, per_token=20_000.0, max_num_seqs=4096):
+        self.capacity, self.weights, self.per_token = capacity, weights, per_token
+        self.max_num_seqs, self.max_model_len = max_num_seqs, 16384
+        self.kv_cache_tokens = None
+        self.startup_s, self.startup_attempts, self.rebuilds = 0.0, [], []
+        self.padding, self.peaks = PaddingTotals(), []
+        self._queue, self._ids, self._pressure = {}, itertools.count(), 0.0
+
+    def submit(self, ids, sampling):
+        rid = f"f{next(self._ids)}"
+        self._queue[rid] = (ids, sampling)
+        return rid
+
+    def abort(self, request_ids):
+        for rid in request_ids:
+            self._queue.pop(rid, None)
+
+    def step(self):
+        batch, self._queue = list(self._queue.items()), {}
+        longest = max(len(ids) for _, (ids, _) in batch)
+        new = max(s.max_new_tokens for _, (_, s) in batch)
+        used = self.weights + self.per_token * len(batch) * (longest + new)
+        if used > self.capacity:
+            self.peaks.append({"rows": len(batch), "padded_len": longest, "pressure": 1.0, "oom": True})
+            raise MemoryError("CUDA out of memory (fake device)")
+        time.sleep(0.002)  # a batch's fixed cost: bigger batches are faster per row, as on a GPU
+        self._pressure = used / self.capacity
+        self.kv_cache_tokens = int((self.capacity - self.weights) / self.per_token)
+        self.padding.add(len(batch) * longest, sum(len(ids) for _, (ids, _) in batch))
+        self.peaks.append({"rows": len(batch), "padded_len": longest, "pressure": round(self._pressure, 4)})
+        return [(rid, Completion("ok", s.max_new_tokens, 0.0, "length")) for rid, (_, s) in batch]
+
+    def kv_gauges(self):
+        return self._pressure, 0
+
+    def rebuild(self, reason):
+        pass
+
+    def kill_core(self, memory=False):
+        pass
+
+    def metric_families(self):
+        return []
+
+    def close(self):
+        pass

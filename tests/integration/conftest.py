@@ -7,49 +7,29 @@ Building the engine is the slow part (about 20 s), so it happens once per sessio
 
 from __future__ import annotations
 
-import json
 import shutil
-import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from pipeline.tools.dev.corpus import write_corpus
-from tests.conftest import REPO, Prometheus, free_port, servers_installed, start_prometheus, start_pushgateway
+from tests.helpers import REPO
+from tests.helpers.servers import Prometheus, free_port, servers_installed, start_prometheus, start_pushgateway
+from tests.helpers.runs import JobRun, read_run, run_cli
 
 ROWS = 200
 MAX_NEW_TOKENS = 16
 DATE = "2026-11-01"  # the shared run is the nightly job's partition for this day
 
 
-@dataclass
-class JobRun:
-    corpus: pa.Table
-    output: Path
-    result: subprocess.CompletedProcess
-    report: dict
-    written: pa.Table
-    profile: Path = REPO / "conf/local.yaml"
-    sets: tuple[str, ...] = ()  # the run's --set arguments, to repeat it
 
 
-def run_cli(job: Path, profile: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "pipeline", "run", str(job), "--profile", str(profile), *args],
-        capture_output=True, text=True, cwd=REPO, timeout=600,
-    )
 
 
-def read_run(output: Path, corpus_path: Path, result: subprocess.CompletedProcess) -> JobRun:
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads((output / "_report.json").read_text())
-    return JobRun(pq.read_table(corpus_path), output, result, report, pq.read_table(output))
 
 
 @pytest.fixture(scope="session")
@@ -61,7 +41,7 @@ def sample_corpus(tmp_path_factory) -> Path:
 @dataclass
 class Watchers:
     """A Prometheus server scraping the shared run's metrics port every second, and a
-    Pushgateway it pushes to (`tests/integration/test_watch.py`)."""
+    Pushgateway it pushes to (`tests/integration/observe/test_watch.py`)."""
 
     prometheus: Prometheus
     pushgateway: str

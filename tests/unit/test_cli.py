@@ -7,7 +7,7 @@ from click.testing import CliRunner
 
 from pipeline.cli import EXIT_BAD_CONFIG, main
 from pipeline.config import load_run_config
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 
 def test_every_command_and_option_is_documented_in_its_help():
@@ -90,7 +90,7 @@ def test_the_profile_tune_wrote_loads_with_no_warning(tmp_path):
 
 
 def test_gc_lists_then_deletes_a_stopped_run_and_resume_excludes_restart(tmp_path):
-    from tests.unit.test_resume import killed_run
+    from tests.helpers.runs import killed_run
 
     killed_run(tmp_path / "out")
     listed = CliRunner().invoke(main, ["gc", str(tmp_path / "out")])

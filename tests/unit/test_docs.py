@@ -1,13 +1,13 @@
 """The README and the pages under docs/ point at things that exist: every link's file and
 heading, and every repository path they quote (`pipeline/storage/output.py`,
-`tests/integration/test_resume.py::test_...`). A page that outlives a move fails here."""
+`tests/integration/run/test_resume.py::test_...`). A page that outlives a move fails here."""
 
 import re
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 PAGES = [REPO / "README.md", REPO / "bench" / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")

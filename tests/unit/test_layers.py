@@ -9,7 +9,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 PACKAGE = REPO / "pipeline"
 
@@ -139,3 +139,11 @@ def test_pipeline_help_loads_neither_ray_nor_vllm():
             "print(sorted(m for m in ('ray', 'ray.data', 'vllm', 'torch') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_no_test_module_imports_another():
+    """What tests share lives in tests/helpers/ (and the fixtures in conftest.py)."""
+    tests = REPO / "tests"
+    known = {".".join(p.relative_to(REPO).with_suffix("").parts): p for p in tests.rglob("test_*.py")}
+    found = {m: sorted(t for t in imports(m, p, known) if t in known) for m, p in known.items()}
+    assert {m: ts for m, ts in found.items() if ts} == {}

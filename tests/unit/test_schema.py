@@ -21,8 +21,20 @@ def test_output_schema_order_and_types():
     assert not out.field("status").nullable and out.field("error").nullable
 
 
-def test_status_values():
-    assert [s.value for s in Status] == ["ok", "error", "skipped_too_long", "invalid_output", "empty_output"]
+def test_every_status_is_documented_where_users_read_them():
+    """The README's status table and `pipeline run --help` name every status a row can get;
+    the failed ones are statuses."""
+    from click.testing import CliRunner
+
+    from pipeline.cli import main
+    from pipeline.schema import FAILED_STATUSES
+    from tests.helpers import REPO
+
+    readme = (REPO / "README.md").read_text()
+    help_text = " ".join(CliRunner().invoke(main, ["run", "--help"]).output.split())
+    for status in Status:
+        assert f"| `{status.value}` |" in readme and status.value in help_text, status
+    assert set(FAILED_STATUSES) <= {s.value for s in Status}
 
 
 @pytest.mark.parametrize("clash", ["summary", "status", "_secret"])

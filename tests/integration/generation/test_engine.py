@@ -8,8 +8,6 @@ from pipeline.generation.policy import FixedBatchPolicy
 from pipeline.generation.vllm import EngineStartupError, VLLMEngine
 from pipeline.run.plan import sampling_of, vllm_settings
 
-pytestmark = pytest.mark.integration
-
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
@@ -88,7 +86,7 @@ def test_a_run_whose_engine_writes_only_whitespace_reports_empty_output(engine, 
     from pipeline.storage.sink import _block_stats
     from pipeline.stages.generate import GenerateStage
     from pipeline.stages.prepare import PrepareStage
-    from tests.conftest import REPO
+    from tests.helpers import REPO
 
     newline = AutoTokenizer.from_pretrained(tiny_model).convert_tokens_to_ids("Ċ")  # byte-level BPE's "\n"
     config = load_run_config(REPO / "jobs/nightly_summarize.yaml", REPO / "conf/local.yaml",

@@ -16,8 +16,8 @@ import pytest
 
 from pipeline.tools.dev.corpus import write_corpus
 from pipeline.models.tiny import ensure_tiny_model
-from tests.conftest import REPO
-from tests.integration.conftest import read_run, run_cli
+from tests.helpers import REPO
+from tests.helpers.runs import read_run, run_cli
 
 PROFILE = REPO / "conf/local-transformers.yaml"
 

@@ -13,9 +13,10 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import REPO
-from tests.integration.conftest import DATE, PROGRESS_INTERVAL_S, ROWS, run_cli
-from tests.unit.test_dashboard import queried_metrics
+from tests.helpers import REPO
+from tests.integration.conftest import DATE, PROGRESS_INTERVAL_S, ROWS
+from tests.helpers.runs import run_cli
+from tests.helpers.dashboard import queried_metrics
 
 
 

@@ -10,10 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import REPO
-from tests.integration.conftest import read_run, run_cli
-
-pytestmark = pytest.mark.integration
+from tests.helpers import REPO
+from tests.helpers.runs import read_run, run_cli
 
 SMALL_KV = REPO / "conf/local-small-kv.yaml"
 JOB = REPO / "jobs/nightly_summarize.yaml"
@@ -35,7 +33,7 @@ def limits_file(tmp_path_factory) -> Path:
 def adaptive_run(tiny_model, sample_corpus, limits_file, tmp_path_factory):
     # The controller's proof, with its windows measuring one bucket each: the corpus in one
     # block and one block at a time, so each bucket is one call. Blocks served at once
-    # share the engine across a bucket switch (tests/unit/test_feeder.py), and a window
+    # share the engine across a bucket switch (tests/unit/generation/test_feeder.py), and a window
     # spanning a switch measures two buckets' rows.
     return small_kv(tiny_model, sample_corpus, tmp_path_factory.mktemp("adaptive") / "out",
                     f"batching.learned_limits={limits_file}", "batching.generate_batch_rows=4096",

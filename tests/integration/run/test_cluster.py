@@ -23,10 +23,9 @@ import psutil
 import pytest
 
 from pipeline.tools.dev.corpus import write_corpus
-from tests.conftest import REPO, servers_installed, start_pushgateway
-from tests.integration.conftest import JobRun, read_run, run_cli
-
-pytestmark = pytest.mark.integration
+from tests.helpers import REPO
+from tests.helpers.servers import servers_installed, start_pushgateway
+from tests.helpers.runs import JobRun, read_run, run_cli
 
 NODES = 2
 NODE_CPUS = 3  # logical: one engine, the prepare actor and reads per node never starve

@@ -10,8 +10,6 @@ from pipeline import schema
 from pipeline.text.bucketing import LengthBucketer
 from tests.integration.conftest import MAX_NEW_TOKENS, ROWS
 
-pytestmark = pytest.mark.integration
-
 
 def test_every_input_id_comes_out_exactly_once(job_run):
     ids = job_run.written.column("id").to_pylist()
@@ -114,8 +112,8 @@ def test_cli_prints_a_summary(job_run):
 def test_fixed_batches_streaming_grouping(tiny_model, tmp_path):
     """The other paths through the generate stage, on real vLLM: a fixed batch
     size run as classic batches (drain), with blocks of 40 rows."""
-    from tests.conftest import REPO
-    from tests.integration.conftest import read_run, run_cli
+    from tests.helpers import REPO
+    from tests.helpers.runs import read_run, run_cli
     from pipeline.tools.dev.corpus import write_corpus
 
     corpus = write_corpus(tmp_path / "c.parquet", rows=120, seed=3)

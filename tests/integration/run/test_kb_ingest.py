@@ -11,10 +11,8 @@ import pytest
 
 from pipeline.config import load_run_config
 from pipeline.tools.dev.corpus import make_corpus
-from tests.conftest import REPO
-from tests.integration.conftest import run_cli
-
-pytestmark = pytest.mark.integration
+from tests.helpers import REPO
+from tests.helpers.runs import run_cli
 
 KB_JOB = REPO / "jobs/kb_ingest.yaml"
 ANNOTATIONS = ("title", "keywords", "entities", "topics", "language")

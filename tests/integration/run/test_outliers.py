@@ -9,10 +9,8 @@ import pytest
 
 from pipeline.cli import EXIT_BAD_CONFIG, EXIT_ERROR_RATE
 from pipeline.tools.dev.corpus import make_corpus
-from tests.conftest import REPO
-from tests.integration.conftest import JobRun, run_cli
-
-pytestmark = pytest.mark.integration
+from tests.helpers import REPO
+from tests.helpers.runs import JobRun, run_cli
 
 JOB = REPO / "jobs/nightly_summarize.yaml"
 LOCAL = REPO / "conf/local.yaml"

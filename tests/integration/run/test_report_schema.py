@@ -4,9 +4,6 @@ Readers (scripts, dashboards, `pipeline bench`) index the report by key; a key t
 moves or changes type breaks them silently. Change this test only together with
 the README's description of the report."""
 
-import pytest
-
-pytestmark = pytest.mark.integration
 
 NUM = (int, float)
 OPT_STR = (str, type(None))

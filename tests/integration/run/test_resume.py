@@ -18,8 +18,7 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +28,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.tools.dev.corpus import write_corpus
-from tests.conftest import REPO
+from tests.helpers import REPO
+from tests.helpers.runs import end_all, run_processes, start, wait_for
 
 FILES, ROWS_PER_FILE = 30, 20  # 600 rows, one tokenizing batch per file
 STALL_TIMEOUT_S = 6
@@ -74,17 +74,6 @@ def committed_rows(tmp: Path) -> int:
     return total
 
 
-def run_processes(driver: psutil.Process, ray_tmp: str) -> list[psutil.Process]:
-    """The driver's process tree, and every process of its Ray instance (their command
-    lines name its own temp dir): all of this run's processes, none of anyone else's."""
-    found = {p.pid: p for p in driver.children(recursive=True)}
-    for p in psutil.process_iter(["cmdline"]):
-        if any(ray_tmp in part for part in p.info["cmdline"] or []):
-            found.setdefault(p.pid, p)
-            for child in p.children(recursive=True):
-                found.setdefault(child.pid, child)
-    found.pop(driver.pid, None)
-    return list(found.values())
 
 
 def engine_cores(driver: psutil.Process) -> list[psutil.Process]:
@@ -102,38 +91,10 @@ def engine_cores(driver: psutil.Process) -> list[psutil.Process]:
     return cores
 
 
-def wait_for(what: str, check: Callable[[], object], proc: subprocess.Popen, timeout_s: float = 240) -> object:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        found = check()
-        if found:
-            return found
-        if proc.poll() is not None:
-            raise AssertionError(f"the run ended (exit {proc.returncode}) before {what}: "
-                                 f"{proc.log.read_text()[-4000:]}")  # type: ignore[attr-defined]
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
-def end_all(processes: list[psutil.Process]) -> None:
-    for p in processes:
-        try:
-            p.send_signal(signal.SIGCONT)  # a stopped process cannot act on anything else
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(processes, timeout=10)
 
 
-def start(cmd: list[str], ray_tmp: str, log: Path, env: dict[str, str] | None = None,
-          ) -> tuple[subprocess.Popen, psutil.Process]:
-    """The run in the background, its output to `log` (a pipe nobody reads would fill up
-    and stop it)."""
-    env = {**os.environ, **(env or {}), "RAY_TMPDIR": ray_tmp}
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
-    proc.log = log  # type: ignore[attr-defined]
-    return proc, psutil.Process(proc.pid)
 
 
 @pytest.fixture(scope="module")

@@ -27,8 +27,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.tools.dev.corpus import write_corpus
-from tests.conftest import REPO, S3
-from tests.integration.test_resume import end_all, run_processes, start, wait_for
+from tests.helpers import REPO
+from tests.helpers.servers import S3
+from tests.helpers.runs import end_all, run_processes, start, wait_for
 
 FILES, ROWS_PER_FILE = 8, 10
 INPUT_GLOB = "in/dt=*/part-*.parquet"

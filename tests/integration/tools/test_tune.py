@@ -9,10 +9,8 @@ import pytest
 import yaml
 
 from pipeline.tools.dev.corpus import write_corpus
-from tests.conftest import REPO
-from tests.integration.conftest import read_run, run_cli
-
-pytestmark = pytest.mark.integration
+from tests.helpers import REPO
+from tests.helpers.runs import read_run, run_cli
 
 
 @pytest.fixture(scope="module")

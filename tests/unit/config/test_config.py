@@ -6,7 +6,7 @@ import pytest
 
 from pipeline.config import ConfigError, load_run_config, parse_override
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers import REPO  # noqa: E402
 JOB = REPO / "jobs" / "nightly_summarize.yaml"
 LOCAL = REPO / "conf" / "local.yaml"
 GPU = REPO / "conf" / "gpu.yaml"

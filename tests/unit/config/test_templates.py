@@ -1,6 +1,5 @@
 """Templates name columns and struct fields, nothing else; nulls render as `input.null_as`."""
 
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -11,7 +10,7 @@ from pipeline.config import ConfigError, load_run_config
 from pipeline.storage.inputs import InputError, check_inputs
 from pipeline.stages.prepare import PrepareSettings, PrepareStage, Prompt, PromptRenderer
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers import REPO  # noqa: E402
 JOB = REPO / "jobs" / "nightly_summarize.yaml"
 KB = REPO / "jobs" / "kb_ingest.yaml"
 LOCAL = REPO / "conf" / "local.yaml"

@@ -10,8 +10,8 @@ import pytest
 from pipeline.generation import engine as contract
 from pipeline.generation.hf import TransformersEngine
 from pipeline.generation.vllm import VLLMEngine
-from tests.unit.fake_engine import FakeEngine
-from tests.unit.test_hf_engine import FakeDevice
+from tests.helpers.fake_engine import FakeEngine
+from tests.helpers.fake_engine import FakeDevice
 
 METHODS = {n for n, v in vars(contract.Engine).items() if callable(v) and not n.startswith("_")}
 ATTRIBUTES = set(contract.Engine.__annotations__)

@@ -1,6 +1,6 @@
 """The feeder's admission and recovery logic, against a fake engine.
 
-The real engine runs the same feeder in tests/integration/test_adaptive.py;
+The real engine runs the same feeder in tests/integration/run/test_adaptive.py;
 this fake only makes the edge cases deterministic: when completions happen,
 when an out-of-memory strikes.
 """
@@ -12,7 +12,7 @@ import pytest
 from pipeline.generation.engine import Sampling
 from pipeline.generation.feeder import EngineFeeder
 from pipeline.generation.policy import BatchSizeController, ControllerSettings, FixedBatchPolicy
-from tests.unit.fake_engine import FakeEngine
+from tests.helpers.fake_engine import FakeEngine
 
 
 SAMPLING = Sampling(max_new_tokens=4)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pipeline.generation.engine import Sampling
 from pipeline.generation.feeder import EngineFeeder
 from pipeline.generation.policy import FixedBatchPolicy, Observation
-from tests.unit.fake_engine import FakeEngine
+from tests.helpers.fake_engine import FakeEngine
 
 SAMPLING = Sampling(max_new_tokens=4)
 OOM = Observation(pressure=1.0, throughput=0.0, rows=0, oom=True)

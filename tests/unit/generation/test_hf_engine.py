@@ -3,19 +3,18 @@ Llama and a tiny BART, on CPU; the batch controller against a memory budget, wit
 fake device that runs out of memory the way CUDA does; and the GPU check's logic
 (`pipeline.tools.gpucheck`) on that fake device."""
 
-import itertools
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 
-from pipeline.generation.engine import Completion, Sampling
+from pipeline.generation.engine import Sampling
 from pipeline.generation.feeder import EngineFeeder
 from pipeline.generation.hf import HFSettings, PaddingTotals, TransformersEngine
 from pipeline.generation.policy import BatchSizeController, ControllerSettings
-from tests.conftest import REPO
+from tests.helpers import REPO
+from tests.helpers.fake_engine import FakeDevice
 
 
 @pytest.fixture(scope="module")
@@ -79,59 +78,6 @@ def test_a_cpu_engine_needs_a_budget(tiny_model):
 # --- a fake device: memory that grows with rows x padded length, and a real-looking OOM -----
 
 
-class FakeDevice:
-    """A static-batch engine on a device of `capacity` bytes: a batch costs the weights
-    plus `per_token` bytes per batch token (rows x (padded prompt + new tokens)), and one
-    over the capacity raises as CUDA does. Reports like the transformers engine."""
-
-    pads_batches = True
-
-    def __init__(self, capacity=2e9, weights=5e8, per_token=20_000.0, max_num_seqs=4096):
-        self.capacity, self.weights, self.per_token = capacity, weights, per_token
-        self.max_num_seqs, self.max_model_len = max_num_seqs, 16384
-        self.kv_cache_tokens = None
-        self.startup_s, self.startup_attempts, self.rebuilds = 0.0, [], []
-        self.padding, self.peaks = PaddingTotals(), []
-        self._queue, self._ids, self._pressure = {}, itertools.count(), 0.0
-
-    def submit(self, ids, sampling):
-        rid = f"f{next(self._ids)}"
-        self._queue[rid] = (ids, sampling)
-        return rid
-
-    def abort(self, request_ids):
-        for rid in request_ids:
-            self._queue.pop(rid, None)
-
-    def step(self):
-        batch, self._queue = list(self._queue.items()), {}
-        longest = max(len(ids) for _, (ids, _) in batch)
-        new = max(s.max_new_tokens for _, (_, s) in batch)
-        used = self.weights + self.per_token * len(batch) * (longest + new)
-        if used > self.capacity:
-            self.peaks.append({"rows": len(batch), "padded_len": longest, "pressure": 1.0, "oom": True})
-            raise MemoryError("CUDA out of memory (fake device)")
-        time.sleep(0.002)  # a batch's fixed cost: bigger batches are faster per row, as on a GPU
-        self._pressure = used / self.capacity
-        self.kv_cache_tokens = int((self.capacity - self.weights) / self.per_token)
-        self.padding.add(len(batch) * longest, sum(len(ids) for _, (ids, _) in batch))
-        self.peaks.append({"rows": len(batch), "padded_len": longest, "pressure": round(self._pressure, 4)})
-        return [(rid, Completion("ok", s.max_new_tokens, 0.0, "length")) for rid, (_, s) in batch]
-
-    def kv_gauges(self):
-        return self._pressure, 0
-
-    def rebuild(self, reason):
-        pass
-
-    def kill_core(self, memory=False):
-        pass
-
-    def metric_families(self):
-        return []
-
-    def close(self):
-        pass
 
 
 def test_batches_grow_to_the_budget_back_off_on_oom_and_the_learned_limit_is_reused():
@@ -186,7 +132,7 @@ def test_the_gpu_check_needs_only_torch_transformers_nvml_and_pyarrow():
         "    sys.modules[m] = None  # importing any of them now fails\n"
         "import pipeline.tools.gpucheck, pipeline.generation.hf\n"
         "from pipeline.tools.gpucheck import run_check, synthetic_corpus\n"
-        "from tests.unit.test_hf_engine import FakeDevice\n"
+        "from tests.helpers.fake_engine import FakeDevice\n"
         "print(run_check(FakeDevice(capacity=4e9, per_token=30_000.0), synthetic_corpus(300, 1000))['rows_done'])\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)

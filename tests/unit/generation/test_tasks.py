@@ -9,7 +9,7 @@ from pipeline.generation.engine import Sampling
 from pipeline.generation.feeder import EngineFeeder, FaultInjector
 from pipeline.generation.policy import BatchSizeController, FixedBatchPolicy
 from pipeline.generation.tasks import AnnotationTask, ChunkText, EngineCalls, annotate, map_reduce, summarize
-from tests.unit.fake_engine import FakeEngine
+from tests.helpers.fake_engine import FakeEngine
 
 
 def calls_over(engine, policy=None, faults=None):

@@ -2,8 +2,8 @@
 metrics a run exports: the `pipeline_*` names from the real collector in
 `pipeline.observe.metrics`, the `vllm:*` names as the installed vLLM registers them.
 
-`queried_metrics` is shared: the integration test imports it to check, against a real
-Prometheus scraping a real run, that every name has series."""
+`queried_metrics` (tests/helpers/dashboard.py) is shared: the integration test uses it
+to check, against a real Prometheus scraping a real run, that every name has series."""
 
 from __future__ import annotations
 
@@ -15,56 +15,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tests.helpers import REPO
+from tests.helpers.dashboard import all_panels, promql_metrics, queried_metrics
 
-DASHBOARD = Path(__file__).resolve().parents[2] / "dashboards" / "pipeline.json"
+DASHBOARD = REPO / "dashboards" / "pipeline.json"
 DS = "${DS_PROMETHEUS}"
 
-# Words in PromQL that look like metric names but are not: binary operators, modifiers
-# and literals (function and aggregation names are told apart by the "(" after them).
-_KEYWORDS = {"and", "or", "unless", "bool", "offset", "by", "without", "on", "ignoring", "group_left",
-             "group_right", "inf", "nan"}
-_STRING = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|`[^`]*`')
-_NAME_MATCHER = re.compile(r'__name__\s*=\s*("(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\')')
-_MATCHERS = re.compile(r"\{[^{}]*\}")
-_RANGES = re.compile(r"\[[^\[\]]*\]")
-_LABEL_LISTS = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^()]*\)")
-_IDENT = re.compile(r"(?<![\w:.$])[A-Za-z_:][\w:]*(?![\w:])")
 
 
-def promql_metrics(expr: str) -> set[str]:
-    """The metric names a PromQL expression selects (names may contain ':')."""
-    names = {m.group(1)[1:-1] for m in _NAME_MATCHER.finditer(expr)}  # {__name__="..."}
-    s = _STRING.sub('""', expr)  # label values, $variables in them
-    s = _MATCHERS.sub(" ", s)  # {label="..."}
-    s = _RANGES.sub(" ", s)  # [5m], [$__rate_interval], subqueries [1h:5m]
-    s = _LABEL_LISTS.sub(" ", s)  # by (engine, le), on (...), group_left (...)
-    for m in _IDENT.finditer(s):
-        word = m.group()
-        if s[m.end():].lstrip().startswith("("):  # rate(, sum(, histogram_quantile(
-            continue
-        if word.lower() in _KEYWORDS:
-            continue
-        names.add(word)
-    return names
 
 
-def all_panels(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every panel, with those inside collapsed rows."""
-    out = []
-    for panel in dashboard.get("panels", []):
-        out.append(panel)
-        out.extend(panel.get("panels", []))
-    return out
 
 
-def queried_metrics(dashboard: dict[str, Any]) -> dict[str, set[str]]:
-    """Panel title -> the metric names its queries select (panels without queries left out)."""
-    out: dict[str, set[str]] = {}
-    for panel in all_panels(dashboard):
-        exprs = [t["expr"] for t in panel.get("targets", []) if t.get("expr")]
-        if exprs:
-            out.setdefault(panel["title"], set()).update(*(promql_metrics(e) for e in exprs))
-    return out
 
 
 def load() -> dict[str, Any]:
@@ -183,9 +145,14 @@ def exposition(dashboard: dict[str, Any]) -> dict[str, set[str]]:
 # --- the file -------------------------------------------------------------------------------
 
 
-def test_file_is_json_with_two_space_indent():
-    text = DASHBOARD.read_text(encoding="utf-8")
-    assert text == json.dumps(json.loads(text), indent=2, ensure_ascii=False) + "\n"
+def test_every_panel_has_an_id_and_a_place_of_its_own(dashboard):
+    """Grafana keys panels by id and lays them out by gridPos: two with one id, or on the
+    same cell, lose one of them on import."""
+    panels = all_panels(dashboard)
+    ids = [p["id"] for p in panels]
+    assert len(ids) == len(set(ids))
+    cells = [(p["gridPos"]["x"], p["gridPos"]["y"]) for p in panels if p["type"] != "row" and not p.get("collapsed")]
+    assert len(cells) == len(set(cells))
 
 
 def test_importable_as_it_is(dashboard):

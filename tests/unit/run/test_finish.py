@@ -19,8 +19,8 @@ from pipeline.config import load_run_config
 from pipeline.observe.report import RunContext
 from pipeline.storage.output import OutputTarget
 from pipeline.storage.sink import ParquetPartsSink
-from tests.conftest import REPO
-from tests.unit.test_sink import Ctx, block
+from tests.helpers import REPO
+from tests.helpers.parts import Ctx, block
 
 ACTOR = {"actor": "a1", "busy_s": 0.2, "active_s": 0.25, "windows": 2, "learned": {"le128": 64}}
 CALL = {"call": "c0", "kind": "rows", "bucket": "le128", "rows": 3, "wall_s": 0.25, "busy_s": 0.2,

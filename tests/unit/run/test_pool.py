@@ -1,5 +1,5 @@
 """What each engine actor asks Ray for, and what every node gets: the placement rules,
-without a cluster (tests/integration/test_cluster.py runs them on a real one)."""
+without a cluster (tests/integration/run/test_cluster.py runs them on a real one)."""
 
 import pytest
 

@@ -1,6 +1,6 @@
 """Crash safety without a cluster: commit markers, adopting a stopped run's staging,
 `pipeline gc`, and the generate stage ending its actor on a crashed or hung engine.
-The same paths run with real Ray, real kills and real vLLM in tests/integration/test_resume.py."""
+The same paths run with real Ray, real kills and real vLLM in tests/integration/run/test_resume.py."""
 
 import json
 import os
@@ -12,29 +12,19 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline import schema
 from pipeline.storage.commits import COMMITS, key_columns, load_commits, row_keys, without
 from pipeline.generation.engine import EngineCrashed
 from pipeline.storage.lease import OutputBusy
 from pipeline.storage.output import STAGING_MARKER, OutputError, OutputTarget, collect_garbage
 from pipeline.storage.sink import ParquetPartsSink
-from tests.unit.fake_engine import FakeEngine
-from tests.unit.test_generate_stage import stages
-from tests.unit.test_sink import JOB, Ctx, block
+from tests.helpers.fake_engine import FakeEngine
+from tests.helpers.stages import stages
+from tests.helpers.parts import JOB, Ctx, block
+from tests.helpers.runs import killed_run
+from tests.helpers.runs import OUT_SCHEMA
 
-OUT_SCHEMA = schema.output_schema(pa.schema([("id", pa.string()), ("text", pa.string())]), "id", "text")
 
 
-def killed_run(out: Path, run_id: str = "run1", parts=(["a", "b"], ["c"])) -> OutputTarget:
-    """A run that committed `parts`, was cut off writing one more, and died (its lease let go)."""
-    target = OutputTarget(str(out), JOB, run_id)
-    target.open(rows_in=6)
-    sink = ParquetPartsSink(target.staging, run_id, OUT_SCHEMA, ["id"])
-    for i, ids in enumerate(parts):
-        sink.write([block(ids, "le128", f"c{i}")], Ctx(i))
-    Path(target.staging.data, f"part-{run_id}-00099.parquet").write_bytes(b"PAR1 cut off")  # no commit
-    target.close()
-    return target
 
 
 def test_a_resumed_run_keeps_committed_parts_drops_the_rest_and_states_its_lineage(tmp_path):

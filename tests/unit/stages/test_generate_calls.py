@@ -31,7 +31,7 @@ def test_both_policies_trajectories_plot():
     """Fixed and adaptive trajectories have the same shape for the report and plot."""
     from pipeline.generation.policy import BatchSizeController, FixedBatchPolicy, Observation
     from pipeline.observe.report_plot import plot_trajectories
-    from tests.conftest import drawn
+    from tests.helpers import drawn
 
     for policy in (FixedBatchPolicy(8), BatchSizeController(initial_budget_tokens=1000)):
         policy.rows_for("le128", 100)
@@ -42,4 +42,4 @@ def test_both_policies_trajectories_plot():
             "policy": "x", "memory_target": 0.9,
             "per_bucket": {"le128": {"trajectory": traj["steps"], "backoffs": traj["backoffs"]}}}}
         width, height, ink = drawn(plot_trajectories(report))
-        assert (width, height) == (1100, 770) and ink > 0.03  # 10 x 7 in at 110 dpi; empty axes: 0.019
+        assert width > height > 0 and ink > 0.03  # it drew the curves: empty axes ink 0.019

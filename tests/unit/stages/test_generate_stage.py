@@ -9,12 +9,11 @@ import pyarrow as pa
 import pytest
 
 from pipeline import schema
-from pipeline.config import load_run_config
-from pipeline.run.plan import generate_settings, prepare_settings
 from pipeline.stages.generate import GenerateStage
 from pipeline.stages.prepare import PrepareStage
-from tests.conftest import REPO
-from tests.unit.fake_engine import FakeEngine
+from tests.helpers import REPO
+from tests.helpers.fake_engine import FakeEngine
+from tests.helpers.stages import stages
 
 CORPUS = pa.table({
     "id": ["a", "b", "c"],
@@ -23,11 +22,6 @@ CORPUS = pa.table({
 })
 
 
-def stages(tiny_model, job, sets, engine, max_model_len=2048):
-    config = load_run_config(REPO / job, REPO / "conf/local.yaml", ["batching.learned_limits=null", *sets])
-    prepare = PrepareStage(prepare_settings(config, str(tiny_model), max_model_len))
-    engine.max_model_len = max_model_len
-    return prepare, GenerateStage(generate_settings(config, prepare.settings, "run1"), engine=engine)
 
 
 def kb_reply(ids, sampling):

@@ -7,7 +7,7 @@ from pipeline import schema
 from pipeline.config import load_run_config
 from pipeline.run.plan import prepare_settings
 from pipeline.stages.prepare import PrepareStage
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 
 @pytest.fixture(scope="module")

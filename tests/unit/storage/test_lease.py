@@ -13,7 +13,7 @@ import pyarrow.fs as pafs
 import pytest
 
 from pipeline.storage.lease import Lease, LeaseLost, OutputBusy, OutputLease, Owner, lock_path
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 
 @pytest.fixture

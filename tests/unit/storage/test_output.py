@@ -12,51 +12,17 @@ import pytest
 from pipeline.storage import output as output_module
 from pipeline.storage.output import STAGING_MARKER, OutputError, OutputTarget, PublishError, survey
 from pipeline.observe.report import REPORT_NAME
+from tests.helpers.parts import earlier_output, run, stage, tree
 
 JOB = "nightly_summarize"
 
 
-def tree(root: Path) -> dict[str, bytes]:
-    """Every file below root, by relative path, with its bytes."""
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def earlier_output(folder: Path, run_id: str = "run0", job: str = JOB, parts: int = 2, plot: bool = True) -> list[str]:
-    """What an earlier run of `job` left in `folder`: parts, plot, and the report listing them."""
-    folder.mkdir(parents=True, exist_ok=True)
-    names = [f"part-{run_id}-{i:05d}.parquet" for i in range(parts)]
-    for n in names:
-        (folder / n).write_bytes(b"PAR1 old " + n.encode())
-    if plot:
-        (folder / "_batching.png").write_bytes(b"png")
-    report = {"run_id": run_id, "job": job, "files": names,
-              "plot_path": f"/somewhere/else/{folder.name}/_batching.png" if plot else None}
-    (folder / REPORT_NAME).write_text(json.dumps(report))
-    return [*names, REPORT_NAME, *(["_batching.png"] if plot else [])]
 
 
-def stage(target: OutputTarget, run_id: str, parts: int = 1) -> list[str]:
-    """Do what a run does between `open` and `plan`: parts, then the report, into the staging."""
-    names = [f"part-{run_id}-{i:05d}.parquet" for i in range(parts)]
-    for n in names:
-        with target.fs.open_output_stream(f"{target.staging.data}/{n}") as f:
-            f.write(b"PAR1 new " + n.encode())
-    report = {"run_id": run_id, "job": target.job, "files": names, "plot_path": None, **target.plan()}
-    with target.fs.open_output_stream(f"{target.staging.data}/{REPORT_NAME}") as f:
-        f.write(json.dumps(report).encode())
-    return [*names, REPORT_NAME]
 
 
-def run(output: str, run_id: str, fs=None, backup: bool = False, parts: int = 1) -> tuple[OutputTarget, list[str]]:
-    """A whole run's life cycle around the output, without the engine."""
-    target = OutputTarget(output, JOB, run_id, backup_existing=backup, filesystem=fs)
-    target.open()
-    try:
-        names = stage(target, run_id, parts)
-        target.publish()
-    finally:
-        target.close()
-    return target, names
 
 
 # --- what counts as ours ---------------------------------------------------------
@@ -125,6 +91,20 @@ def test_an_output_needs_a_folder_of_its_own():
 
 
 # --- publishing, local ------------------------------------------------------------
+
+
+def test_rerunning_one_day_replaces_its_partition_and_leaves_the_other_days(tmp_path):
+    """The nightly job's dt= partitions: a re-run of one day publishes over that day's own
+    earlier output only; the day beside it keeps every byte and every time stamp."""
+    days = tmp_path / "nightly_summarize"
+    earlier_output(days / "dt=2026-10-31", run_id="run0")
+    earlier_output(days / "dt=2026-11-01", run_id="run0")
+    other = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in (days / "dt=2026-10-31").iterdir()}
+    target, names = run(str(days / "dt=2026-11-01"), "run1", parts=3)
+    assert sorted(os.listdir(days / "dt=2026-11-01")) == sorted(names)  # the new run's parts only
+    assert json.loads((days / "dt=2026-11-01" / REPORT_NAME).read_text())["replaces_run"] == "run0"
+    assert {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in (days / "dt=2026-10-31").iterdir()} == other
+    assert sorted(os.listdir(days)) == ["dt=2026-10-31", "dt=2026-11-01"]  # no staging, no lock left
 
 
 @pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "two-renames"])

@@ -18,7 +18,7 @@ from pipeline.cli import EXIT_BAD_CONFIG, main
 from pipeline.models.tiny import MARKER, cached_tiny_model, ensure_tiny_model
 from pipeline.models.source import ModelError, check_local_model, resolve_model
 from pipeline.storage.ownership import NotOurs, OwnedFile, OwnedFolder, json_mark
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 NIGHTLY, LOCAL = "jobs/nightly_summarize.yaml", "conf/local.yaml"
 

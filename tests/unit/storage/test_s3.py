@@ -11,7 +11,7 @@ from pipeline.storage.commits import commit_part
 from pipeline.storage.lease import Lease, LeaseLost, OutputBusy, OutputLease, Owner
 from pipeline.storage.output import PUBLISHING_MARKER, OutputError, OutputTarget, PublishError
 from pipeline.observe.report import REPORT_NAME
-from tests.unit.test_output import JOB, run, stage
+from tests.helpers.parts import JOB, run, stage
 
 
 def earlier_output(s3, prefix: str = "out", run_id: str = "run0", parts: int = 3) -> list[str]:

@@ -9,26 +9,11 @@ from pipeline import schema
 from pipeline.storage.output import OutputError, OutputTarget
 from pipeline.observe.report import REPORT_NAME, write_beside
 from pipeline.storage.sink import ParquetPartsSink, _block_stats, merge_stats
+from tests.helpers.parts import Ctx, JOB, block
 
 
-def block(ids, bucket, call, first_stats=None, status="ok"):
-    n = len(ids)
-    return pa.table({
-        "id": ids, "text": ["t"] * n, "summary": ["s"] * n,
-        "prompt_tokens": pa.array(range(10, 10 + n), pa.int32()),
-        "output_tokens": pa.array([4] * n, pa.int32()), "bucket": [bucket] * n,
-        "truncated": [False] * n, "original_tokens": pa.array([None] * n, pa.int32()),
-        "chunks": pa.array([None] * n, pa.int32()), "notes": pa.array([None] * n, pa.string()),
-        "status": [status] * n, "error": pa.array([None] * n, pa.string()),
-        "latency_s": [0.1] * n, "model": ["m"] * n, "run_id": ["r"] * n,
-        schema.BUCKET_INDEX: pa.array([0] * n, pa.int32()),
-        schema.ENGINE_CALL: pa.array([call] * n, pa.string()),
-        schema.ENGINE_CALL_STATS: ([json.dumps([first_stats])] + [None] * (n - 1) if first_stats
-                                   else pa.array([None] * n, pa.string())),
-    })
 
 
-JOB = "nightly_summarize"
 
 
 def write_json_report(fs, folder, report: dict) -> None:
@@ -36,9 +21,6 @@ def write_json_report(fs, folder, report: dict) -> None:
     write_beside(fs, folder, REPORT_NAME, json.dumps(report).encode())
 
 
-class Ctx:
-    def __init__(self, i):
-        self.task_idx = i
 
 
 def test_parts_are_whole_and_stats_merge(tmp_path):

@@ -3,8 +3,15 @@ import pytest
 from pipeline.text.bucketing import DEFAULT_BOUNDARIES, LengthBucketer
 
 
-def test_default_boundaries_are_powers_of_two_128_to_8192():
-    assert DEFAULT_BOUNDARIES == (128, 256, 512, 1024, 2048, 4096, 8192)
+def test_a_default_bucket_spans_at_most_a_doubling_of_length():
+    """What bounds the waste of sharing a call: past the first bucket, no prompt is under
+    half the longest one of its bucket."""
+    b = LengthBucketer()
+    assert all(hi == 2 * lo for lo, hi in zip(DEFAULT_BOUNDARIES, DEFAULT_BOUNDARIES[1:]))
+    for tokens in (129, 1000, 4097, 8192):
+        bound = DEFAULT_BOUNDARIES[b.index(tokens)]
+        assert bound / 2 < tokens <= bound
+    assert b.name(DEFAULT_BOUNDARIES[-1] + 1).startswith("gt")
 
 
 @pytest.mark.parametrize(

@@ -203,7 +203,7 @@ def test_plot_sweep_two_buckets_with_an_oom():
         "le256": {"points": short, "choice": choose(short), "memory_target": 0.9},
         "le2048": {"points": cut, "choice": choose(cut), "memory_target": 0.85},
     })
-    from tests.conftest import drawn
+    from tests.helpers import drawn
 
     width, height, ink = drawn(png)
     assert width == 1210 and height > 1000 and ink > 0.04  # two buckets, two panels each; one bucket: 0.074

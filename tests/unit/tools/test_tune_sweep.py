@@ -1,4 +1,4 @@
-"""The sweep's measuring loop against a fake engine (real vLLM: tests/integration/test_tune.py)."""
+"""The sweep's measuring loop against a fake engine (real vLLM: tests/integration/tools/test_tune.py)."""
 
 import time
 

@@ -1,0 +1,112 @@
+"""Runs as the tests make them: the CLI in a subprocess (`run_cli`, `read_run`), a stopped
+run's staging built by hand (`killed_run`), and the processes a run starts, found and
+ended by pid (`start`, `run_processes`, `wait_for`, `end_all`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline import schema
+from pipeline.storage.output import OutputTarget
+from pipeline.storage.sink import ParquetPartsSink
+from tests.helpers import REPO
+from tests.helpers.parts import JOB, Ctx, block
+
+
+OUT_SCHEMA = schema.output_schema(pa.schema([("id", pa.string()), ("text", pa.string())]), "id", "text")
+
+
+
+@dataclass
+class JobRun:
+    corpus: pa.Table
+    output: Path
+    result: subprocess.CompletedProcess
+    report: dict
+    written: pa.Table
+    profile: Path = REPO / "conf/local.yaml"
+    sets: tuple[str, ...] = ()  # the run's --set arguments, to repeat it
+
+
+def run_cli(job: Path, profile: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline", "run", str(job), "--profile", str(profile), *args],
+        capture_output=True, text=True, cwd=REPO, timeout=600,
+    )
+
+
+def read_run(output: Path, corpus_path: Path, result: subprocess.CompletedProcess) -> JobRun:
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((output / "_report.json").read_text())
+    return JobRun(pq.read_table(corpus_path), output, result, report, pq.read_table(output))
+
+
+def run_processes(driver: psutil.Process, ray_tmp: str) -> list[psutil.Process]:
+    """The driver's process tree, and every process of its Ray instance (their command
+    lines name its own temp dir): all of this run's processes, none of anyone else's."""
+    found = {p.pid: p for p in driver.children(recursive=True)}
+    for p in psutil.process_iter(["cmdline"]):
+        if any(ray_tmp in part for part in p.info["cmdline"] or []):
+            found.setdefault(p.pid, p)
+            for child in p.children(recursive=True):
+                found.setdefault(child.pid, child)
+    found.pop(driver.pid, None)
+    return list(found.values())
+
+
+def wait_for(what: str, check: Callable[[], object], proc: subprocess.Popen, timeout_s: float = 240) -> object:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = check()
+        if found:
+            return found
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended (exit {proc.returncode}) before {what}: "
+                                 f"{proc.log.read_text()[-4000:]}")  # type: ignore[attr-defined]
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def end_all(processes: list[psutil.Process]) -> None:
+    for p in processes:
+        try:
+            p.send_signal(signal.SIGCONT)  # a stopped process cannot act on anything else
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(processes, timeout=10)
+
+
+def start(cmd: list[str], ray_tmp: str, log: Path, env: dict[str, str] | None = None,
+          ) -> tuple[subprocess.Popen, psutil.Process]:
+    """The run in the background, its output to `log` (a pipe nobody reads would fill up
+    and stop it)."""
+    env = {**os.environ, **(env or {}), "RAY_TMPDIR": ray_tmp}
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+    proc.log = log  # type: ignore[attr-defined]
+    return proc, psutil.Process(proc.pid)
+
+
+def killed_run(out: Path, run_id: str = "run1", parts=(["a", "b"], ["c"])) -> OutputTarget:
+    """A run that committed `parts`, was cut off writing one more, and died (its lease let go)."""
+    target = OutputTarget(str(out), JOB, run_id)
+    target.open(rows_in=6)
+    sink = ParquetPartsSink(target.staging, run_id, OUT_SCHEMA, ["id"])
+    for i, ids in enumerate(parts):
+        sink.write([block(ids, "le128", f"c{i}")], Ctx(i))
+    Path(target.staging.data, f"part-{run_id}-00099.parquet").write_bytes(b"PAR1 cut off")  # no commit
+    target.close()
+    return target
