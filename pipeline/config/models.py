@@ -460,6 +460,12 @@ class DebugConfig(_Section):
         description="Drills: each tokenizing batch takes this much longer, as reads from a slow store would "
         "(shows generation starting while input is still being read).",
     )
+    hold_input_until_output_s: float = Field(
+        0.0, ge=0.0,
+        description="Drills, local outputs: after the first window of rows, hold each tokenizing batch until the "
+        "run has committed its first part (at most this long), as input that arrives while generation runs. "
+        "Shows streaming without a fixed delay; a run with a barrier would wait out the bound.",
+    )
 
 
 class ProfileConfig(_Section):

@@ -37,7 +37,7 @@ from pipeline import schema
 from pipeline.models import source as model_source
 from pipeline.run import limits as limits_store
 from pipeline.text.bucketing import LengthBucketer, window_order
-from pipeline.storage.commits import key_columns, row_keys, without
+from pipeline.storage.commits import COMMITS, key_columns, row_keys, without
 from pipeline.config import AdaptivePolicy, RunConfig
 from pipeline.storage.inputs import InputError, check_inputs, duplicate_ids
 from pipeline.observe.metrics import RunLabels, RunMetrics, Watch
@@ -260,15 +260,16 @@ def generate(ctx: RunContext, target: OutputTarget, metrics: RunMetrics, verbose
         profile.batching.learned_limits, ctx.limits_key, profile.batching.learned_max_age_days
     )
     init_ray(ctx.config)
-    ds, prepare = build_dataset(ctx, target.committed)
+    ds, prepare = build_dataset(ctx, target)
     run_dataset(ctx, ds, prepare, target, metrics, verbose)
 
 
-def build_dataset(ctx: RunContext, committed: Any) -> tuple[Any, PrepareSettings]:
+def build_dataset(ctx: RunContext, target: OutputTarget) -> tuple[Any, PrepareSettings]:
     """The dataset, lazily: read, skip what a resumed run committed, prepare, group by
     bucket. Nothing runs until the write pulls it (but the percentile pass, if asked)."""
     config = ctx.config
     job, profile = config.job, config.profile
+    committed = target.committed
     keys = key_columns(job.input.id_column, job.passages is not None)
     skip = None
     if committed.keys is not None:  # a resumed run's
@@ -282,6 +283,9 @@ def build_dataset(ctx: RunContext, committed: Any) -> tuple[Any, PrepareSettings
         prepare = replace(prepare, cap_tokens=ctx.percentile_cap)
         ctx.checks["outlier_percentile"] = {"pass": "read and tokenize every row",
                                             "seconds": round(time.monotonic() - t, 3)}
+    if profile.debug.hold_input_until_output_s and target.local:
+        prepare = replace(prepare, hold_until=f"{target.staging.root}/{COMMITS}",
+                          hold_s=profile.debug.hold_input_until_output_s, hold_after_rows=profile.bucketing.window_rows)
     ds = read_and_prepare(config, ctx.inputs, prepare, skip)
     if profile.bucketing.grouping == "window":
         # Streaming: each window of prepared rows ordered by bucket, nothing waits for the corpus.

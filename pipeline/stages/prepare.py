@@ -23,9 +23,10 @@ possible): the text column is replaced by `passage`, `passage_index`,
 from __future__ import annotations
 
 import string
+import os
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pyarrow as pa
@@ -62,6 +63,10 @@ class PrepareSettings:
     annotation_max_new_tokens: int = 0
     cap_tokens: int | None = None  # the corpus percentile cap, when the job asks for one
     delay_s: float = 0.0  # debug: each batch takes this much longer, as a slow store's reads would
+    # Debug: past `hold_after_rows` rows, each batch waits (at most `hold_s`) for a file in `hold_until`.
+    hold_until: str | None = None
+    hold_after_rows: int = 0
+    hold_s: float = 0.0
     null_as: str = ""  # what a null field renders as
 
 
@@ -378,6 +383,7 @@ class PrepareStage:
     def __call__(self, batch: pa.Table) -> pa.Table:
         if self.settings.delay_s:
             time.sleep(self.settings.delay_s)
+        self._hold(batch.num_rows)
         # 1. Bad rows become error rows with a reason; with passages, documents become passages.
         batch, bad_utf8 = repair_utf8(batch)
         rows = batch.to_pylist()
@@ -397,6 +403,18 @@ class PrepareStage:
         for name, values in self._columns(work).items():  # 5.
             batch = batch.append_column(name, values)
         return batch
+
+    def _hold(self, rows: int) -> None:
+        """The hold drill (`debug.hold_input_until_output_s`): past the first rows, wait for
+        the run's first committed part, as input that arrives while generation runs would."""
+        s = self.settings
+        self._rows_seen = getattr(self, "_rows_seen", 0) + rows
+        if s.hold_until is None or self._rows_seen <= s.hold_after_rows:
+            return
+        deadline = time.monotonic() + s.hold_s
+        while time.monotonic() < deadline and not (os.path.isdir(s.hold_until) and os.listdir(s.hold_until)):
+            time.sleep(0.2)
+        self.settings = replace(s, hold_until=None)  # released once: the rest is read as it comes
 
     def _fit_long_rows(self, rows: list[dict[str, Any]], work: list[_Row], valid: list[int]) -> None:
         """3. Rows past the smallest limit may be too long; for those only, measure what the

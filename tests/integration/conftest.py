@@ -87,12 +87,14 @@ def job_run(tmp_path_factory, tiny_model, watchers) -> JobRun:
         "--set", "batching.generate_batch_rows=16",
         # Two engines on the local profile: the pool's block assignment is asserted on this run.
         "--set", "hardware.num_engines=2",
-        # Input that arrives slowly (a tokenizing batch per file, 9 s each: 90 s, well
-        # past the 25-45 s two engines take to start on 2 cores): the first part is
-        # written before the last row is read. Windows of two files come out as three
+        # Input that arrives while generation runs: after the first window (two files) the
+        # rest is held until the first part is committed, so the first part is written
+        # before the last row is read, with no fixed delay to outlast the engines' start
+        # (25-70 s for two engines on 2 cores); a pipeline with a barrier would wait out the
+        # hold's bound and fail the assertion. Windows of two files come out as three
         # blocks at once, so both engines get blocks of each window.
         "--set", "batching.prepare_batch_rows=20", "--set", "bucketing.window_rows=40",
-        "--set", "debug.slow_prepare_s=9",
+        "--set", "debug.hold_input_until_output_s=240",
         "--set", "engine.max_model_len=8192",
         "--set", "batching.learned_limits=null",  # no state carried between test runs
     )

@@ -170,3 +170,34 @@ def test_the_stage_needs_only_its_own_settings_no_yaml(tiny_model):
     assert out.column("status").to_pylist() == ["ok", "error"]
     assert out.column("bucket").to_pylist()[0] == "le64"
     assert "Summarize: A short note." in stage.tokenizer.decode(out.column(schema.PROMPT_TOKEN_IDS)[0].as_py())
+
+
+def test_the_hold_drill_releases_the_input_once_a_part_is_committed(tiny_model, tmp_path):
+    """`debug.hold_input_until_output_s`: the first rows pass, the next batch waits for the
+    run's first commit marker (and is released by it, not by the bound), then none waits."""
+    import threading
+    import time as clock
+    from dataclasses import replace as changed
+
+    import pyarrow as pa
+
+    from pipeline.stages.prepare import PrepareSettings, PrepareStage, Prompt
+
+    commits = tmp_path / "commits"
+    settings = PrepareSettings(model_path=str(tiny_model), max_model_len=512, prompt=Prompt("{text}"),
+                               max_new_tokens=8)
+    stage = PrepareStage(changed(settings, hold_until=str(commits), hold_after_rows=2, hold_s=30.0))
+    batch = pa.table({"id": ["a", "b"], "text": ["one", "two"]})
+    started = clock.monotonic()
+    stage(batch)  # within the first rows: no wait
+    assert clock.monotonic() - started < 1
+    threading.Timer(0.5, lambda: (commits.mkdir(), (commits / "part-0").write_text("{}"))).start()
+    stage(batch)
+    waited = clock.monotonic() - started
+    assert 0.5 <= waited < 5  # released by the commit, long before the 30 s bound
+    stage(batch)
+    assert clock.monotonic() - started - waited < 1  # released once
+    bounded = PrepareStage(changed(settings, hold_until=str(tmp_path / "never"), hold_after_rows=0, hold_s=0.5))
+    t = clock.monotonic()
+    bounded(batch)
+    assert 0.5 <= clock.monotonic() - t < 3
