@@ -11,20 +11,21 @@ engines start together, and what every node needs to run them.
   held the engine's start back 9 s). `hardware.engines_per_node: 1` puts each bundle on
   a node of its own (STRICT_SPREAD); more spreads them best effort (SPREAD); otherwise
   PACK, best effort (one engine per GPU on GPUs, wherever Ray finds room).
-- Start-up: engines wait for each other (`PoolGate`), up to
+- Start-up: engines wait for each other (`PoolGate`, over the `StartBarrier`), up to
   `hardware.pool_start_timeout_s`, before they take blocks. Ray Data hands blocks to
   the actors that are up; on a small corpus the first engine would otherwise take them all.
   They also wait for the driver's word: the unique-id check runs while they start.
 - Every node: with `hardware.ray_address`, the job's runtime_env ships this package
   (`py_modules`), so each worker imports the driver's code.
-- Incidents: the gate's actor also keeps the pool's log for the report: what each
-  engine actor holds (blocks and their rows), and every restart, stall, engine death
-  and failed start, with its time and the rows it affected. An actor killed outright
+- Incidents: the gate's actor, the pool's log (`PoolLog`), also keeps for the report
+  what each engine actor holds (`BlockLedger`: blocks and their rows), and every
+  restart, stall, engine death and failed start (`IncidentLog`), with its time and the
+  rows it affected. An actor killed outright
   says nothing; its next incarnation reports the restart, and what the dead one held.
 - Metrics: every engine actor sends it a snapshot of its state every 2 s and after each
   block (`pipeline.observe.metrics`); the driver reads them all from here, whichever node each
   engine is on, with the restarts and stalls per engine from the log above.
-- Warnings: it also remembers which vLLM warnings the run has shown (`first_time`),
+- Warnings: it also remembers which vLLM warnings the run has shown (`WarningMemory`),
   so that each shows once per run rather than once per engine.
 
 The placement group and the gate are this run's: `EnginePool.close` removes exactly
@@ -81,20 +82,15 @@ def runtime_env(hw: HardwareConfig, env_vars: dict[str, str], empty_dir: str | N
     return env
 
 
-class _Arrivals:
-    """What the engine actors report to once their engine is up, and the driver's word on
-    whether they may start work (the checks that run beside engine start-up). An async
-    actor: every engine waits in `arrive` at once, and all are let go within a tick, so
+class StartBarrier:
+    """Engines start together, and only on the driver's word (the checks that run beside
+    engine start-up): every engine waits in `arrive`, and all are let go within a tick, so
     Ray Data sees them ready together and deals blocks to each."""
 
     def __init__(self, engines: int) -> None:
         self.engines = engines
         self.arrived: set[str] = set()
         self.verdict: tuple[bool, str] | None = None
-        self.held: dict[str, dict[str, int]] = {}  # actor -> block -> rows, while it serves them
-        self.log: list[dict[str, Any]] = []
-        self.meters: dict[str, dict[str, Any]] = {}  # engine incarnation -> its latest metrics snapshot
-        self.warnings: set[str] = set()  # the vLLM warnings the run has shown, by `warning_key`
 
     async def arrive(self, who: str, timeout_s: float) -> tuple[bool, str]:
         import asyncio
@@ -110,50 +106,112 @@ class _Arrivals:
     def decide(self, go: bool, why: str) -> None:
         self.verdict = (go, why)
 
+
+class BlockLedger:
+    """What each engine actor holds: its blocks and their rows, while it serves them."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, dict[str, int]] = {}  # actor -> block -> rows
+
     def hold(self, actor: str, block: str, rows: int) -> None:
         self.held.setdefault(actor, {})[block] = rows
 
     def release(self, actor: str, block: str) -> None:
         self.held.get(actor, {}).pop(block, None)
 
+    def take(self, actor: str) -> dict[str, int]:
+        """What a dead incarnation of `actor` held (its next one retries it), forgotten."""
+        return self.held.pop(actor, {})
+
+
+class IncidentLog:
+    """Every restart, stall, engine death and failed start, with its time and the rows it
+    affected, for the report; and the restarts and stalls per engine, for the metrics."""
+
+    def __init__(self) -> None:
+        self.log: list[dict[str, Any]] = []
+
     def note(self, event: dict[str, Any]) -> None:
         self.log.append(event)
-
-    def restarted(self, event: dict[str, Any]) -> None:
-        """A fresh incarnation of an actor: what the last one held is being retried."""
-        held = self.held.pop(event["actor"], {})
-        self.log.append({**event, "blocks": len(held), "rows": sum(held.values())})
 
     def events(self) -> list[dict[str, Any]]:
         return sorted(self.log, key=lambda e: e["at"])
 
+    def per_engine(self, kind: str) -> dict[str, int]:
+        """How many incidents of `kind` each engine had, by the short name metrics use."""
+        counts: dict[str, int] = {}
+        for e in self.log:
+            if e["kind"] == kind:
+                counts[engine_name(e["actor"])] = counts.get(engine_name(e["actor"]), 0) + 1
+        return counts
+
+
+class WarningMemory:
+    """The vLLM warnings the run has shown (by `warning_key`), so each shows once per run
+    rather than once per engine. Past `MAX_WARNINGS` keys a new one is no longer
+    remembered, so it shows every time: the set stays bounded, and what goes
+    unremembered is shown too often rather than never."""
+
     MAX_WARNINGS = 10_000
 
+    def __init__(self) -> None:
+        self.seen: set[str] = set()
+
     def first_time(self, key: str) -> bool:
-        """Whether this warning is new to the run. Past `MAX_WARNINGS` keys a new one is
-        no longer remembered, so it shows every time: the set stays bounded, and what
-        goes unremembered is shown too often rather than never."""
-        if key in self.warnings:
+        if key in self.seen:
             return False
-        if len(self.warnings) < self.MAX_WARNINGS:
-            self.warnings.add(key)
+        if len(self.seen) < self.MAX_WARNINGS:
+            self.seen.add(key)
         return True
 
+
+class PoolLog:
+    """The pool's one actor, which every engine actor reports to, whichever node it is on:
+    the start barrier, the block ledger, the incident log, the engines' latest metrics
+    snapshots and the warnings shown. An async actor, so that every engine can wait at
+    the barrier at once."""
+
+    def __init__(self, engines: int) -> None:
+        self.barrier = StartBarrier(engines)
+        self.blocks = BlockLedger()
+        self.incidents = IncidentLog()
+        self.snapshots: dict[str, dict[str, Any]] = {}  # engine incarnation -> its latest metrics snapshot
+        self.warnings = WarningMemory()
+
+    async def arrive(self, who: str, timeout_s: float) -> tuple[bool, str]:
+        return await self.barrier.arrive(who, timeout_s)
+
+    def decide(self, go: bool, why: str) -> None:
+        self.barrier.decide(go, why)
+
+    def hold(self, actor: str, block: str, rows: int) -> None:
+        self.blocks.hold(actor, block, rows)
+
+    def release(self, actor: str, block: str) -> None:
+        self.blocks.release(actor, block)
+
+    def note(self, event: dict[str, Any]) -> None:
+        self.incidents.note(event)
+
+    def restarted(self, event: dict[str, Any]) -> None:
+        """A fresh incarnation of an actor: what the last one held is being retried."""
+        held = self.blocks.take(event["actor"])
+        self.incidents.note({**event, "blocks": len(held), "rows": sum(held.values())})
+
+    def events(self) -> list[dict[str, Any]]:
+        return self.incidents.events()
+
+    def first_time(self, key: str) -> bool:
+        return self.warnings.first_time(key)
+
     def meter(self, incarnation: str, snapshot: dict[str, Any]) -> None:
-        self.meters[incarnation] = snapshot
+        self.snapshots[incarnation] = snapshot
 
     def metrics(self) -> dict[str, Any]:
-        """Every engine incarnation's latest snapshot (`pipeline.observe.metrics`), and the restarts
-        and stalls per engine (by the short engine name the snapshots use)."""
-        restarts: dict[str, int] = {}
-        stalls: dict[str, int] = {}
-        for e in self.log:
-            short = engine_name(e["actor"])
-            if e["kind"] == "restart":
-                restarts[short] = restarts.get(short, 0) + 1
-            elif e["kind"] == "stall":
-                stalls[short] = stalls.get(short, 0) + 1
-        return {"snapshots": list(self.meters.values()), "restarts": restarts, "stalls": stalls}
+        """Every engine incarnation's latest snapshot (`pipeline.observe.metrics`), and the
+        restarts and stalls per engine."""
+        return {"snapshots": list(self.snapshots.values()), "restarts": self.incidents.per_engine("restart"),
+                "stalls": self.incidents.per_engine("stall")}
 
 
 class PoolGate:
@@ -167,37 +225,37 @@ class PoolGate:
         import ray
 
         self.engines, self.timeout_s = engines, timeout_s
-        self.counter = ray.remote(num_cpus=0)(_Arrivals).remote(engines)
+        self.log = ray.remote(num_cpus=0)(PoolLog).remote(engines)
 
     def decide(self, go: bool, why: str = "") -> None:
         import ray
 
-        ray.get(self.counter.decide.remote(go, why))
+        ray.get(self.log.decide.remote(go, why))
 
     def wait(self) -> str | None:
         """None to go ahead; else why the run was refused."""
         import ray
 
-        go, why = ray.get(self.counter.arrive.remote(uuid.uuid4().hex, self.timeout_s))
+        go, why = ray.get(self.log.arrive.remote(uuid.uuid4().hex, self.timeout_s))
         return None if go else why
 
     def hold(self, actor: str, block: str, rows: int) -> None:
-        self.counter.hold.remote(actor, block, rows)  # fire and forget: one per block
+        self.log.hold.remote(actor, block, rows)  # fire and forget: one per block
 
     def release(self, actor: str, block: str) -> None:
-        self.counter.release.remote(actor, block)
+        self.log.release.remote(actor, block)
 
     def note(self, event: dict[str, Any], restarted: bool = False) -> None:
         """Log an incident, and wait (briefly) until it is logged: the caller may be about to exit."""
         import ray
 
-        ref = (self.counter.restarted if restarted else self.counter.note).remote(event)
+        ref = (self.log.restarted if restarted else self.log.note).remote(event)
         ray.wait([ref], timeout=10)
 
     def events(self) -> list[dict[str, Any]]:
         import ray
 
-        return ray.get(self.counter.events.remote())
+        return ray.get(self.log.events.remote())
 
     def first_time(self, key: str) -> bool:
         """Whether a warning is new to the run; True when the pool cannot say (a warning is
@@ -205,22 +263,22 @@ class PoolGate:
         import ray
 
         try:
-            return bool(ray.get(self.counter.first_time.remote(key), timeout=5))
+            return bool(ray.get(self.log.first_time.remote(key), timeout=5))
         except Exception:
             return True
 
     def meter(self, incarnation: str, snapshot: dict[str, Any]) -> None:
-        self.counter.meter.remote(incarnation, snapshot)  # fire and forget
+        self.log.meter.remote(incarnation, snapshot)  # fire and forget
 
     def metrics(self) -> dict[str, Any]:
         import ray
 
-        return ray.get(self.counter.metrics.remote(), timeout=10)
+        return ray.get(self.log.metrics.remote(), timeout=10)
 
     def close(self) -> None:
         import ray
 
-        ray.kill(self.counter)
+        ray.kill(self.log)
 
 
 class EnginePool:

@@ -4,7 +4,7 @@ import logging
 import os
 
 from pipeline.generation.vllm_logs import EngineLogTee, WarningFilter, WarningLines, warning_key
-from pipeline.run.pool import _Arrivals
+from pipeline.run.pool import PoolLog
 
 ENGINE_A = ("(MapWorker(MapBatches(GenerateStage)) pid=28484) (EngineCore pid=29308) WARNING 12-01 02:36:15 "
             "[vllm.py:1703] Enforce eager set, disabling torch.compile and CUDAGraphs.")
@@ -145,29 +145,31 @@ def test_the_logging_filter_key_matches_the_line_key():
     assert record_key(record) == warning_key(ENGINE_A)
 
 
-def test_arrivals_first_time_is_true_once_per_key():
-    pool = _Arrivals(engines=2)
+def test_the_pools_warning_memory_says_first_time_once_per_key():
+    pool = PoolLog(engines=2)
     assert pool.first_time("[vllm.py:1703] Enforce eager set") is True
     assert pool.first_time("[vllm.py:1703] Enforce eager set") is False
     assert pool.first_time("[vllm.py:1710] Chunked prefill") is True
     assert pool.first_time("[vllm.py:1710] Chunked prefill") is False
 
 
-def test_arrivals_past_its_bound_shows_new_warnings_every_time():
-    pool = _Arrivals(engines=1)
-    pool.MAX_WARNINGS = 2
-    assert pool.first_time("a") and pool.first_time("b")
-    assert pool.first_time("c") is True
-    assert pool.first_time("c") is True  # not remembered: shown again rather than never
-    assert pool.first_time("a") is False  # what it remembers it still hides
-    assert len(pool.warnings) == 2
+def test_the_warning_memory_past_its_bound_shows_new_warnings_every_time():
+    from pipeline.run.pool import WarningMemory
+
+    memory = WarningMemory()
+    memory.MAX_WARNINGS = 2
+    assert memory.first_time("a") and memory.first_time("b")
+    assert memory.first_time("c") is True
+    assert memory.first_time("c") is True  # not remembered: shown again rather than never
+    assert memory.first_time("a") is False  # what it remembers it still hides
+    assert len(memory.seen) == 2
 
 
 def test_pool_gate_first_time_says_true_when_the_pool_cannot_answer():
     from pipeline.run.pool import PoolGate
 
     gate = PoolGate.__new__(PoolGate)
-    gate.counter = None  # no actor: the call fails
+    gate.log = None  # no actor: the call fails
     assert gate.first_time("[vllm.py:1] w") is True
 
 

@@ -180,9 +180,9 @@ def test_the_summary_gives_the_eta_while_the_run_goes():
 
 def test_the_pool_log_gives_every_incarnations_snapshot_and_restarts_per_engine():
     from pipeline.observe.metrics import engine_name
-    from pipeline.run.pool import _Arrivals
+    from pipeline.run.pool import PoolLog
 
-    log = _Arrivals(engines=2)
+    log = PoolLog(engines=2)
     actor = "ab12cd34" + "0" * 24
     log.meter("i1", {"engine": engine_name(actor), "at": 1})
     log.meter("i2", {"engine": engine_name(actor), "at": 2})
