@@ -248,7 +248,10 @@ class EngineConfig(_Section):
         "default: the whole device.",
     )
     max_model_len: int | None = Field(None, gt=0, description="Context length; default: the model's.")
-    dtype: str = Field("auto", description="Weights and activations dtype (auto, bfloat16, float16, float32).")
+    dtype: str = Field(
+        "auto", description="Weights and activations dtype (auto, bfloat16, float16, float32). auto: on a GPU the "
+        "model's own; on a CPU bfloat16 where it is native (avx512_bf16, amx_bf16), else float32.",
+    )
     gpu_memory_utilization: float = Field(
         0.9,
         gt=0.0,

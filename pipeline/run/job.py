@@ -42,7 +42,7 @@ from pipeline.config import AdaptivePolicy, RunConfig
 from pipeline.storage.inputs import InputError, check_inputs, duplicate_ids
 from pipeline.observe.metrics import RunLabels, RunMetrics, Watch
 from pipeline.storage.output import OutputTarget, PublishError
-from pipeline.run.plan import engine_description, generate_settings, prepare_settings
+from pipeline.run.plan import engine_description, generate_settings, prepare_settings, resolve_dtype
 from pipeline.run.pool import EnginePool, runtime_env
 from pipeline.observe.progress import progress_for
 from pipeline.observe.report import (RunContext, RunReport, actor_summaries, batching_section, build_report,
@@ -230,8 +230,11 @@ def _run(config: RunConfig, run_id: str, stopped: Literal["refuse", "resume", "r
 def checked(config: RunConfig, run_id: str) -> RunContext:
     """1. What can be checked before any cluster: the input, the model (the tiny one built
     if asked for), every path the run writes besides its output, the output's schema."""
+    config, dtype = resolve_dtype(config)
     job = config.job
     ctx = RunContext(config, run_id)
+    if dtype is not None:
+        ctx.checks["dtype"] = dtype
     ctx.inputs = job_inputs(config)
     ctx.model_path = resolve_model(config)
     learned = config.profile.batching.learned_limits

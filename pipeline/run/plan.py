@@ -15,8 +15,31 @@ from pipeline.config import EngineConfig, RunConfig, SamplingConfig
 from pipeline.generation.engine import Sampling
 from pipeline.generation.hf import HFSettings
 from pipeline.generation.vllm import VLLMSettings
+from pipeline.observe.machine import cpu_flags
 from pipeline.stages.generate import AnnotationSettings, GenerateSettings
 from pipeline.stages.prepare import PrepareSettings, Prompt
+
+
+# Where a CPU computes bfloat16 natively; elsewhere torch emulates it.
+NATIVE_BF16 = ("avx512_bf16", "amx_bf16")
+
+
+def resolve_dtype(config: RunConfig, flags: list[str] | None = None) -> tuple[RunConfig, dict[str, str] | None]:
+    """`engine.dtype: auto` on a CPU, made concrete: bfloat16 where the CPU computes it
+    natively (avx512_bf16 or amx_bf16), float32 where torch would emulate it (on this
+    project's avx2-only machines the engine ran 2.6x faster in float32 on the tiny model,
+    4.9x on SmolLM2-135M). On a GPU, auto stays vLLM's (the model's own dtype). Returns
+    the config with the dtype set, and what was decided, for the report (None: nothing was)."""
+    engine = config.profile.engine
+    if engine.dtype != "auto" or config.profile.hardware.accelerator != "cpu":
+        return config, None
+    flags = cpu_flags() if flags is None else flags
+    native = [f for f in NATIVE_BF16 if f in flags]
+    dtype = "bfloat16" if native else "float32"
+    why = (f"the CPU has {', '.join(native)}" if native
+           else f"the CPU has none of {', '.join(NATIVE_BF16)}: bfloat16 would be emulated")
+    profile = config.profile.model_copy(update={"engine": engine.model_copy(update={"dtype": dtype})})
+    return config.model_copy(update={"profile": profile}), {"requested": "auto", "dtype": dtype, "why": why}
 
 
 def engine_kwargs(model: str, engine: EngineConfig, seed: int | None) -> dict[str, Any]:

@@ -33,11 +33,14 @@ def tune_job(config: RunConfig, request: TuneRequest, on_point: Callable[[str, S
              on_stage: Callable[[str], None] | None = None) -> tuple[dict[str, BucketResult], dict[str, Any]]:
     """Sweep the job's buckets on a sample of its input; (results, {meta, paths})."""
     from pipeline.run.job import job_inputs, resolve_model
-    from pipeline.run.plan import prepare_settings
+    from pipeline.run.plan import prepare_settings, resolve_dtype
     from pipeline.stages.prepare import context_limit
     from pipeline.text.bucketing import LengthBucketer
 
     say = on_stage or (lambda _msg: None)
+    config, dtype = resolve_dtype(config)
+    if dtype is not None:
+        say(f"engine.dtype auto: {dtype['dtype']} ({dtype['why']})")
     job, profile = config.job, config.profile
     buckets, sample = request.buckets, request.sample
     TUNE_OUT.check(request.out)  # before the sweep, and again when it writes
@@ -74,7 +77,7 @@ def tune_job(config: RunConfig, request: TuneRequest, on_point: Callable[[str, S
         "latency_slo_p99_ms": request.latency_slo_p99_ms,
         "engine": {"startup_s": round(engine.startup_s, 2), "max_num_seqs": engine.max_num_seqs,
                    "kv_cache_tokens": engine.kv_cache_tokens, "max_model_len": engine.max_model_len,
-                   "prefix_caching": False},
+                   "prefix_caching": False, "dtype": profile.engine.dtype},
         "wall_s": round(time.monotonic() - started, 2),
         "machine": {**describe(), "accelerator": profile.hardware.accelerator},
         "skipped_buckets": missing,

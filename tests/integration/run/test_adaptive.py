@@ -88,7 +88,10 @@ def test_busy_fraction_and_plot_are_reported(adaptive_run):
 def test_learned_limits_are_saved_with_their_key(adaptive_run, limits_file, tiny_model):
     saved = yaml.safe_load(limits_file.read_text())
     assert saved["key"]["model"] == str(tiny_model)
-    assert saved["key"]["max_model_len"] == 8192 and saved["key"]["dtype"] == "bfloat16"
+    # The local profile's dtype is auto: made concrete from the CPU's flags, before the key is made.
+    chosen = adaptive_run.report["checks"]["dtype"]["dtype"]
+    assert chosen in ("bfloat16", "float32") and adaptive_run.report["engine"]["settings"]["dtype"] == chosen
+    assert saved["key"]["max_model_len"] == 8192 and saved["key"]["dtype"] == chosen
     assert saved["key"]["hardware"].startswith("cpu:")
     assert set(saved["limits"]) >= {"le256", "le512"}
     assert saved["limits"] == adaptive_run.report["batching"]["learned_limits"]["saved"]

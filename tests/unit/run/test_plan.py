@@ -1,0 +1,30 @@
+"""From a config to the engine's settings: the CPU dtype rule."""
+
+from pipeline.config import load_run_config
+from pipeline.run.plan import engine_kwargs, resolve_dtype
+
+from tests.helpers import REPO
+
+JOB = REPO / "jobs" / "nightly_summarize.yaml"
+LOCAL = REPO / "conf" / "local.yaml"
+GPU = REPO / "conf" / "gpu.yaml"
+
+
+def test_auto_on_a_cpu_is_bfloat16_only_where_the_cpu_computes_it_natively():
+    config = load_run_config(JOB, LOCAL)
+    assert config.profile.engine.dtype == "auto"
+    for flags, dtype in ((["avx2"], "float32"), (["avx2", "avx512f"], "float32"),
+                         (["avx512f", "avx512_bf16"], "bfloat16"), (["amx_bf16", "amx_tile"], "bfloat16")):
+        resolved, decided = resolve_dtype(config, flags)
+        assert resolved.profile.engine.dtype == dtype and decided["dtype"] == dtype, flags
+        assert engine_kwargs("m", resolved.profile.engine, 0)["dtype"] == dtype
+    _, decided = resolve_dtype(config, ["avx2"])
+    assert decided["requested"] == "auto" and "emulated" in decided["why"]
+    assert config.profile.engine.dtype == "auto"  # the loaded config itself is left as it was
+
+
+def test_an_explicit_dtype_or_a_gpu_is_left_as_asked():
+    pinned = load_run_config(JOB, LOCAL, ["engine.dtype=bfloat16"])
+    assert resolve_dtype(pinned, ["avx2"]) == (pinned, None)
+    gpu = load_run_config(JOB, GPU, ["engine.dtype=auto"])
+    assert resolve_dtype(gpu, ["avx2"]) == (gpu, None)
