@@ -222,11 +222,12 @@ class SameSetup:
 
 def same_setup(corpus: str, output: str, sets: list[str]) -> SameSetup:
     from pipeline.config import load_run_config
-    from pipeline.run.plan import engine_kwargs, prepare_settings
+    from pipeline.run.plan import engine_kwargs, prepare_settings, resolve_dtype
     from pipeline.run.job import resolve_model
     from pipeline.stages.prepare import context_limit
 
-    config = load_run_config(REPO / JOB, REPO / PROFILE, sets, corpus, output)
+    # dtype auto made concrete as a run makes it, so every system runs the same dtype.
+    config, _ = resolve_dtype(load_run_config(REPO / JOB, REPO / PROFILE, sets, corpus, output))
     engine, sampling = config.profile.engine, config.job.sampling
     model = resolve_model(config)
     return SameSetup(
@@ -288,10 +289,10 @@ def llm_batch_defaults(sets: list[str], result: str) -> None:
     from vllm.usage.usage_lib import UsageContext
 
     from pipeline.config import load_run_config
-    from pipeline.run.plan import engine_kwargs
+    from pipeline.run.plan import engine_kwargs, resolve_dtype
     from pipeline.run.job import resolve_model
 
-    config = load_run_config(REPO / JOB, REPO / PROFILE, sets)
+    config, _ = resolve_dtype(load_run_config(REPO / JOB, REPO / PROFILE, sets))
     engine = config.profile.engine
     kwargs = engine_kwargs(resolve_model(config), engine, config.job.sampling.seed)
     scheduler = EngineArgs(**kwargs).create_engine_config(UsageContext.LLM_CLASS).scheduler_config
