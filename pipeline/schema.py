@@ -44,6 +44,9 @@ GENERATED_FIELDS: tuple[pa.Field, ...] = (
     pa.field("summary", pa.string()),
     pa.field("prompt_tokens", pa.int32()),
     pa.field("output_tokens", pa.int32()),
+    # Why the row's last engine call ended: stop (end of sequence, or a stop string) or
+    # length (cut at max_new_tokens); null where no call was made (an error row).
+    pa.field("finish_reason", pa.string()),
     pa.field("truncated", pa.bool_(), nullable=False),
     pa.field("original_tokens", pa.int32()),  # the prompt before truncation or chunking
     pa.field("chunks", pa.int32()),  # windows summarized, under `length.policy: chunk`

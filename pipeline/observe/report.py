@@ -37,8 +37,12 @@ def median_of_counts(counts: dict[int, int]) -> float:
     return at(n // 2) if n % 2 else (at(n // 2 - 1) + at(n // 2)) / 2
 
 
-def bucket_table(prompt_tokens_by_bucket: dict[str, dict[int, int]], order: tuple[str, ...]) -> dict[str, Any]:
-    """Rows and prompt-length min/median/max per bucket, from counts per length."""
+def bucket_table(prompt_tokens_by_bucket: dict[str, dict[int, int]], order: tuple[str, ...],
+                 quality: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Rows and prompt-length min/median/max per bucket, from counts per length; and, of
+    the rows an engine call finished (`generated`), how many were cut at the limit, came
+    out empty or copy the document's opening (`pipeline.text.quality`), and their median
+    output tokens."""
     out = {}
     for name in order:
         counts = {int(k): v for k, v in (prompt_tokens_by_bucket.get(name) or {}).items() if v}
@@ -48,6 +52,14 @@ def bucket_table(prompt_tokens_by_bucket: dict[str, dict[int, int]], order: tupl
             "rows": sum(counts.values()),
             "prompt_tokens": {"min": min(counts), "median": median_of_counts(counts), "max": max(counts)},
         }
+        q = (quality or {}).get(name)
+        if q:
+            tokens = {int(k): v for k, v in q["output_tokens"].items() if v}
+            out[name]["generated"] = {
+                "rows": q["rows"], "cut_at_limit": q["cut_at_limit"], "empty_output": q["empty_output"],
+                "copies_opening": q["copies_opening"],
+                "median_output_tokens": median_of_counts(tokens) if tokens else None,
+            }
     return out
 
 
@@ -266,7 +278,7 @@ def build_report(ctx: RunContext, engine_settings: dict[str, Any]) -> RunReport:
         run_id=ctx.run_id, job=job.name, job_file=config.job_file, profile_file=config.profile_file,
         model=profile.model.name, input=job.input.path, output=job.output.path, started_at=ctx.started_at,
         wall_s=round(wall_s, 3), rows_in=ctx.inputs.rows, rows_out=written["rows"], status=status,
-        buckets=bucket_table(written["prompt_tokens_by_bucket"], ctx.bucket_order),
+        buckets=bucket_table(written["prompt_tokens_by_bucket"], ctx.bucket_order, written.get("quality")),
         tokens={"prompt": written["prompt_tokens"], "output": written["output_tokens"]},
         output_tokens_per_s=round(written["output_tokens"] / wall_s, 2) if wall_s > 0 else None,
         **engine_time(actors, written["output_tokens"]),

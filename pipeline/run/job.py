@@ -322,7 +322,8 @@ def run_dataset(ctx: RunContext, ds: Any, prepare: PrepareSettings, target: Outp
                            pool_gate=pool.gate)
         ds = with_engines(ds, config, settings, ctx.start_limits, pool)
         sink = ParquetPartsSink(target.staging, ctx.run_id, ctx.out_schema,
-                                key_columns(job.input.id_column, job.passages is not None), previous=committed.parts)
+                                key_columns(job.input.id_column, job.passages is not None), previous=committed.parts,
+                                text_column="passage" if job.passages is not None else job.input.text_column)
         # Unique ids are checked on the cluster while the engines start; they take no
         # block until it has passed.
         check = BesideStartup(lambda: check_unique_ids(ctx.inputs, job.input.id_column, job.input.path), pool.gate)

@@ -170,6 +170,7 @@ class RowOutcomes:
     error: list[str | None]
     summary: list[str | None]
     output_tokens: list[int]
+    finish: list[str | None]  # the row's last call's finish reason: the reduce, or the annotation
     latency: list[float | None]
     call_of: list[str | None]
     values: list[dict[str, Any] | None] | None  # the annotations, parsed (None: the job does not annotate)
@@ -179,11 +180,12 @@ class RowOutcomes:
     def of(cls, batch: pa.Table, annotating: bool) -> RowOutcomes:
         n = batch.num_rows
         return cls(batch.column("status").to_pylist(), batch.column("error").to_pylist(), [None] * n, [0] * n,
-                   [None] * n, [None] * n, [None] * n if annotating else None, [None] * n if annotating else None)
+                   [None] * n, [None] * n, [None] * n, [None] * n if annotating else None,
+                   [None] * n if annotating else None)
 
     def completed(self, i: int, c: Completion) -> None:
         """A summary: ok, an error, or empty (only whitespace)."""
-        self.latency[i], self.output_tokens[i] = c.latency_s, c.output_tokens
+        self.latency[i], self.output_tokens[i], self.finish[i] = c.latency_s, c.output_tokens, c.finish_reason
         if c.error is not None:
             self.status[i], self.error[i] = Status.ERROR.value, c.error
             return
@@ -197,6 +199,7 @@ class RowOutcomes:
         assert self.values is not None and self.raw is not None
         c = a.completion
         self.output_tokens[i] += c.output_tokens
+        self.finish[i] = c.finish_reason
         self.latency[i] = (self.latency[i] or 0.0) + c.latency_s
         if c.error is not None:
             self.status[i], self.error[i] = Status.ERROR.value, f"annotations: {c.error}"
@@ -214,6 +217,7 @@ class RowOutcomes:
             annotations = {**parser.columns(self.values, prefix), schema.RAW_OUTPUT.name: pa.array(self.raw, pa.string())}
         return {"summary": pa.array(self.summary, pa.string()), **annotations,
                 "output_tokens": pa.array(self.output_tokens, pa.int32()),
+                "finish_reason": pa.array(self.finish, pa.string()),
                 "status": pa.array(self.status, pa.string()), "error": pa.array(self.error, pa.string()),
                 "latency_s": pa.array(self.latency, pa.float64())}
 

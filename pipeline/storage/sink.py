@@ -31,13 +31,14 @@ from ray.data.datasource.datasink import WriteResult
 
 from pipeline import schema
 from pipeline.storage.commits import commit_part
+from pipeline.text.quality import copies_opening
 
 PART_PREFIX = "part-"
 
 
 class ParquetPartsSink(Datasink[dict[str, Any]]):
     def __init__(self, staging: Any, run_id: str, output_schema: pa.Schema, keys: list[str],
-                 previous: list[dict[str, Any]] | None = None):
+                 previous: list[dict[str, Any]] | None = None, text_column: str = "text"):
         self.fs = staging.fs
         self.root = staging.data  # the run's staging folder: the parts go here, and nowhere else
         self.staging_root = staging.root  # and their commit markers under here
@@ -45,6 +46,7 @@ class ParquetPartsSink(Datasink[dict[str, Any]]):
         self.schema = output_schema
         self.keys = keys  # the columns that name an output row
         self.previous = list(previous or [])
+        self.text_column = text_column  # the rows' source text, for the quality counts
         self.summary: dict[str, Any] | None = None
         self.generated_rows = 0  # rows this run itself wrote (the rest came in as `previous`)
 
@@ -60,7 +62,7 @@ class ParquetPartsSink(Datasink[dict[str, Any]]):
         if not tables:
             return {"file": None, "rows": 0}
         table = pa.concat_tables(tables, promote_options="default")
-        stats = _block_stats(table)
+        stats = _block_stats(table, self.text_column)
         out = schema.conform(table, self.schema)
 
         name = f"{PART_PREFIX}{self.run_id}-{ctx.task_idx:05d}.parquet"
@@ -74,7 +76,29 @@ class ParquetPartsSink(Datasink[dict[str, Any]]):
         self.summary = merge_stats(self.previous + list(write_result.write_returns))
 
 
-def _block_stats(table: pa.Table) -> dict[str, Any]:
+def _quality(table: pa.Table, text_column: str) -> dict[str, dict[str, Any]]:
+    """Per bucket, of the rows an engine call finished: how many were cut at the limit,
+    came out empty, or copy their document's opening (`pipeline.text.quality`), and their
+    output tokens as counts per length (bounded by max_new_tokens, as prompt lengths are)."""
+    texts = table.column(text_column).to_pylist() if text_column in table.column_names else [None] * table.num_rows
+    out: dict[str, dict[str, Any]] = {}
+    for b, finish, status, tokens, summary, text in zip(
+            table.column("bucket").to_pylist(), table.column("finish_reason").to_pylist(),
+            table.column("status").to_pylist(), table.column("output_tokens").to_pylist(),
+            table.column("summary").to_pylist(), texts):
+        if b is None or finish is None:
+            continue
+        q = out.setdefault(b, {"rows": 0, "cut_at_limit": 0, "empty_output": 0, "copies_opening": 0,
+                               "output_tokens": Counter()})
+        q["rows"] += 1
+        q["cut_at_limit"] += finish == "length"
+        q["empty_output"] += status == schema.Status.EMPTY_OUTPUT
+        q["copies_opening"] += copies_opening(summary, text)
+        q["output_tokens"][tokens] += 1
+    return {b: {**q, "output_tokens": dict(q["output_tokens"])} for b, q in out.items()}
+
+
+def _block_stats(table: pa.Table, text_column: str = "text") -> dict[str, Any]:
     """What one written block contributes to the report."""
     status = table.column("status").to_pylist()
     buckets = table.column("bucket").to_pylist()
@@ -109,6 +133,7 @@ def _block_stats(table: pa.Table) -> dict[str, Any]:
         "output_tokens": sum(output_tokens),
         "call_rows": call_rows,
         "call_records": call_records,
+        "quality": _quality(table, text_column),
     }
 
 
@@ -116,7 +141,7 @@ def merge_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
     """Fold per-task stats into one: counts add, lists concatenate, calls merge by id."""
     merged: dict[str, Any] = {
         "files": [], "rows": 0, "status": Counter(), "prompt_tokens_by_bucket": defaultdict(Counter),
-        "prompt_tokens": 0, "output_tokens": 0, "truncated": 0, "chunked": 0, "calls": {},
+        "prompt_tokens": 0, "output_tokens": 0, "truncated": 0, "chunked": 0, "calls": {}, "quality": {},
         "timeline": {"first_row_prepared_at": None, "last_row_prepared_at": None,
                      "first_part_written_at": None, "last_part_written_at": None},
     }
@@ -143,6 +168,12 @@ def merge_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
         merged["chunked"] += part["chunked"]
         for b, counts in part["prompt_tokens_by_bucket"].items():
             merged["prompt_tokens_by_bucket"][b].update(counts)
+        for b, q in part.get("quality", {}).items():  # parts committed before it was counted have none
+            m = merged["quality"].setdefault(b, {"rows": 0, "cut_at_limit": 0, "empty_output": 0,
+                                                 "copies_opening": 0, "output_tokens": Counter()})
+            for k in ("rows", "cut_at_limit", "empty_output", "copies_opening"):
+                m[k] += q[k]
+            m["output_tokens"].update({int(n): c for n, c in q["output_tokens"].items()})
         for r in part["call_records"]:
             records[r["call"]] = r
         # A call's rows may land in several blocks: widen its observed range.
@@ -161,4 +192,5 @@ def merge_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
             merged["calls"][call] = {"buckets": [r.get("bucket")], "rows_written": 0, **r}
     merged["status"] = dict(merged["status"])
     merged["prompt_tokens_by_bucket"] = {b: dict(c) for b, c in merged["prompt_tokens_by_bucket"].items()}
+    merged["quality"] = {b: {**q, "output_tokens": dict(q["output_tokens"])} for b, q in merged["quality"].items()}
     return merged

@@ -22,7 +22,8 @@ def default_reply(ids: list[int], sampling: Sampling) -> str:
 
 class FakeEngine:
     """Each request finishes `steps_per_request` steps after it is submitted, with the text
-    `reply(ids, sampling)` and 4 output tokens (or `max_new_tokens`, if fewer).
+    `reply(ids, sampling)` and 4 output tokens (or `max_new_tokens`, if fewer: then its
+    finish reason is "length", else "stop").
     `oom_when_in_flight` raises torch-style OOM when that many rows run at once."""
 
     max_num_seqs = 256
@@ -71,8 +72,9 @@ class FakeEngine:
             self.live[rid][0] -= 1
             if self.live[rid][0] == 0:
                 _, _, ids, sampling = self.live.pop(rid)
-                done.append((rid, Completion(self.reply(ids, sampling), min(4, sampling.max_new_tokens), 0.0,
-                                             "length")))
+                tokens = min(4, sampling.max_new_tokens)  # "length" only where the limit cut it, as in vLLM
+                done.append((rid, Completion(self.reply(ids, sampling), tokens, 0.0,
+                                             "length" if tokens == sampling.max_new_tokens else "stop")))
         return done
 
     def abort(self, ids):

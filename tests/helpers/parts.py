@@ -13,12 +13,15 @@ from pipeline import schema
 from pipeline.storage.output import REPORT_NAME, OutputTarget
 
 
-def block(ids, bucket, call, first_stats=None, status="ok"):
+def block(ids, bucket, call, first_stats=None, status="ok", texts=None, summaries=None, finish=None,
+          output_tokens=None):
     n = len(ids)
     return pa.table({
-        "id": ids, "text": ["t"] * n, "summary": ["s"] * n,
+        "id": ids, "text": texts or ["t"] * n, "summary": summaries or ["s"] * n,
         "prompt_tokens": pa.array(range(10, 10 + n), pa.int32()),
-        "output_tokens": pa.array([4] * n, pa.int32()), "bucket": [bucket] * n,
+        "output_tokens": pa.array(output_tokens or [4] * n, pa.int32()),
+        "finish_reason": pa.array(finish or [("length" if status == "ok" else None)] * n, pa.string()),
+        "bucket": [bucket] * n,
         "truncated": [False] * n, "original_tokens": pa.array([None] * n, pa.int32()),
         "chunks": pa.array([None] * n, pa.int32()), "notes": pa.array([None] * n, pa.string()),
         "status": [status] * n, "error": pa.array([None] * n, pa.string()),

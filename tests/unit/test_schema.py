@@ -9,7 +9,7 @@ def test_output_schema_order_and_types():
     inp = pa.schema([("text", pa.string()), ("id", pa.int64()), ("source", pa.string())])
     out = schema.output_schema(inp, "id", "text")
     assert out.names == [
-        "id", "text", "source", "summary", "prompt_tokens", "output_tokens", "truncated",
+        "id", "text", "source", "summary", "prompt_tokens", "output_tokens", "finish_reason", "truncated",
         "original_tokens", "chunks", "bucket", "status", "error", "notes", "latency_s", "model", "run_id",
     ]
     types = {f.name: f.type for f in out}
@@ -17,7 +17,7 @@ def test_output_schema_order_and_types():
     assert types["prompt_tokens"] == types["output_tokens"] == types["original_tokens"] == types["chunks"] == pa.int32()
     assert types["truncated"] == pa.bool_() and not out.field("truncated").nullable
     assert types["latency_s"] == pa.float64()
-    assert all(types[c] == pa.string() for c in ("summary", "bucket", "status", "error", "notes", "model", "run_id"))
+    assert all(types[c] == pa.string() for c in ("summary", "finish_reason", "bucket", "status", "error", "notes", "model", "run_id"))
     assert not out.field("status").nullable and out.field("error").nullable
 
 

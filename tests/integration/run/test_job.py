@@ -8,6 +8,7 @@ import pytest
 
 from pipeline import schema
 from pipeline.text.bucketing import LengthBucketer
+from pipeline.text.quality import copies_opening
 from tests.integration.conftest import MAX_NEW_TOKENS, ROWS
 
 
@@ -93,6 +94,15 @@ def test_report_agrees_with_the_output_files(job_run):
         b = report["buckets"][name]
         assert b["rows"] == len(values)
         assert b["prompt_tokens"] == {"min": min(values), "median": median(values), "max": max(values)}
+        made = [r for r in rows if r["bucket"] == name and r["finish_reason"] is not None]
+        assert b["generated"] == {
+            "rows": len(made), "cut_at_limit": sum(r["finish_reason"] == "length" for r in made),
+            "empty_output": sum(r["status"] == "empty_output" for r in made),
+            "copies_opening": sum(copies_opening(r["summary"], r["text"]) for r in made),
+            "median_output_tokens": median(r["output_tokens"] for r in made),
+        }
+    # The tiny model never ends a sequence: every row runs to the limit, and says so.
+    assert {(r["finish_reason"], r["output_tokens"]) for r in rows if r["status"] == "ok"} == {("length", MAX_NEW_TOKENS)}
     on_disk = sorted(p.name for p in job_run.output.glob("part-*.parquet"))
     assert report["files"] == on_disk
     assert not list(job_run.output.glob(".*.tmp"))

@@ -66,4 +66,5 @@ def test_report_keys_and_types_are_pinned(job_run):
     assert set(r["length"]) == {"policy", "max_input_tokens", "keep", "outlier_percentile", "chunk_overlap",
                                 "percentile_cap_tokens", "truncated", "chunked"}
     for b in r["buckets"].values():
-        assert set(b) == {"rows", "prompt_tokens"} and set(b["prompt_tokens"]) == {"min", "median", "max"}
+        assert set(b) == {"rows", "prompt_tokens", "generated"} and set(b["prompt_tokens"]) == {"min", "median", "max"}
+        assert set(b["generated"]) == {"rows", "cut_at_limit", "empty_output", "copies_opening", "median_output_tokens"}

@@ -47,6 +47,18 @@ def test_annotations_are_typed_columns_after_one_retry(tiny_model):
     records = json.loads(out.column(schema.ENGINE_CALL_STATS)[0].as_py())
     assert [r["kind"] for r in records] == ["rows", "annotations", "annotations-retry"]
     assert records[0]["engine"]["max_model_len"] == 2048
+    # The row's finish reason is its last call's: the retry's (4 tokens of 1024: a stop).
+    assert all(r["finish_reason"] == "stop" for r in rows)
+
+
+def test_finish_reason_says_whether_the_limit_cut_the_summary(tiny_model):
+    for limit, reason in ((3, "length"), (16, "stop")):
+        prepare, generate = stages(tiny_model, "jobs/nightly_summarize.yaml", [f"sampling.max_new_tokens={limit}"],
+                                   FakeEngine())
+        out = generate(prepare(CORPUS))
+        assert out.schema.field("finish_reason").type == pa.string()
+        assert out.column("finish_reason").to_pylist() == [reason] * 3
+        assert out.column("output_tokens").to_pylist() == [min(4, limit)] * 3
 
 
 def test_annotations_that_never_validate_keep_their_text(tiny_model):

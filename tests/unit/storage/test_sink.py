@@ -75,6 +75,26 @@ def test_merge_stats_of_empty_tasks():
     assert merge_stats([{"file": None, "rows": 0}])["rows"] == 0
 
 
+def test_quality_counts_per_bucket_merge_across_parts_and_their_commit_markers():
+    doc = "The quick brown fox jumps over the lazy dog. It was not amused by any of this."
+    a = block(["a", "b", "c"], "le128", "c0", texts=[doc, doc, doc],
+              summaries=["The quick brown fox jumps over the lazy dog.", "A fox annoys a dog.", "  "],
+              status="ok", finish=["stop", "length", "stop"], output_tokens=[11, 32, 1])
+    b = block(["d", "e"], "le256", "c1", status="error", finish=[None, None])
+    first = _block_stats(pa.concat_tables([a]))
+    assert first["quality"] == {"le128": {"rows": 3, "cut_at_limit": 1, "empty_output": 0, "copies_opening": 1,
+                                          "output_tokens": {11: 1, 32: 1, 1: 1}}}
+    assert _block_stats(b)["quality"] == {}  # error rows made no call
+    # A commit marker holds the stats as JSON (int keys as strings); merging takes both.
+    again = json.loads(json.dumps(_block_stats(block(["f"], "le128", "c2", output_tokens=[32]))))
+    merged = merge_stats([{"file": "p0", **first}, {"file": "p1", **again}, {"file": "p2", **_block_stats(b)}])
+    assert merged["quality"]["le128"] == {"rows": 4, "cut_at_limit": 2, "empty_output": 0, "copies_opening": 1,
+                                          "output_tokens": {11: 1, 32: 2, 1: 1}}
+    # Parts committed before quality was counted (a resumed run's) have none: they add nothing.
+    old = {k: v for k, v in first.items() if k != "quality"}
+    assert merge_stats([{"file": "p0", **old}])["quality"] == {}
+
+
 def test_block_stats_counts_status():
     t = pa.concat_tables([block(["a"], "le128", "c0"), block(["b"], "le128", None, status="error")])
     stats = _block_stats(t)

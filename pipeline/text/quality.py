@@ -1,0 +1,31 @@
+"""Cheap signs of what a model's outputs are worth, counted per bucket in the report.
+
+None of these judges a summary; each catches a pattern a user should look at:
+- **cut at the limit** (`finish_reason == "length"`): the model was still writing when
+  `max_new_tokens` stopped it; many of these say the limit is too low.
+- **copies the opening** (`copies_opening`): the output is mostly a stretch of the
+  document's first lines, a small model's habit; many of these say the prompt needs work.
+"""
+
+from __future__ import annotations
+
+from difflib import SequenceMatcher
+
+COPY_SHARE = 0.8
+
+
+def normalized(text: str) -> str:
+    """Whitespace runs as one space, ends stripped; case kept."""
+    return " ".join(text.split())
+
+
+def copies_opening(output: str | None, document: str | None, share: float = COPY_SHARE) -> bool:
+    """The rule: with both texts `normalized`, the longest substring the output shares with
+    the document's first 2 x len(output) characters covers at least `share` (80%) of the
+    output. An empty output copies nothing."""
+    out, doc = normalized(output or ""), normalized(document or "")
+    if not out or not doc:
+        return False
+    opening = doc[: 2 * len(out)]
+    match = SequenceMatcher(None, out, opening, autojunk=False).find_longest_match(0, len(out), 0, len(opening))
+    return match.size >= share * len(out)
