@@ -1,5 +1,9 @@
-"""The synthetic corpus as a Parquet file: ids, text from `pipeline.text.synthetic` (log-normal
-lengths, about 1% outliers 10-50x the median) and a passthrough `source` column."""
+"""Sample corpora as Parquet files, both built offline:
+- synthetic: ids, text from `pipeline.text.synthetic` (log-normal lengths, about 1% outliers
+  10-50x the median) and a passthrough `source` column;
+- python-docs: real English text that ships with Python, the reference manual's topics
+  (`pydoc_data.topics`: 79 documents, median 1.7k characters, up to 62k, so they fill
+  several buckets and a few pass a small model's context)."""
 
 from __future__ import annotations
 
@@ -31,6 +35,26 @@ def make_corpus(rows: int, seed: int = 0, median_words: int = 90) -> pa.Table:
     )
 
 
+def python_docs_corpus(rows: int | None = None) -> pa.Table:
+    """The Python reference manual's topics, one document each, in name order; `rows` of
+    them (all 79 if None), spread evenly over their lengths, the shortest and longest kept."""
+    from pydoc_data.topics import topics
+
+    names = sorted(topics)
+    if rows is not None and rows < len(names):
+        by_length = sorted(names, key=lambda n: (len(topics[n]), n))
+        step = (len(by_length) - 1) / max(rows - 1, 1)
+        names = sorted({by_length[round(k * step)] for k in range(rows)})
+    return pa.table({
+        "id": pa.array([f"pydoc-{name}" for name in names], pa.string()),
+        "text": pa.array([topics[name].strip() for name in names], pa.string()),
+        "source": pa.array(["section of the Python reference manual"] * len(names), pa.string()),
+    })
+
+
+KINDS = ("synthetic", "python-docs")
+
+
 def _is_sample_corpus(path: Path) -> bool:
     try:
         metadata = pq.read_metadata(path).metadata or {}
@@ -44,11 +68,17 @@ SAMPLE_CORPUS = OwnedFile("a sample corpus written by `pipeline dev sample-corpu
                           "Choose another file name.")
 
 
-def write_corpus(out: Path, rows: int, seed: int = 0) -> Path:
-    """Write the corpus to `out` (a .parquet file) and return its path. An existing file is
-    replaced only if it is a corpus written here (`NotOurs` otherwise)."""
-    table = make_corpus(rows, seed)
-    table = table.replace_schema_metadata({CORPUS_KEY: json.dumps({"written_by": MARK, "rows": rows, "seed": seed})})
+def write_corpus(out: Path, rows: int | None, seed: int = 0, kind: str = "synthetic") -> Path:
+    """Write the corpus to `out` (a .parquet file) and return its path: `rows` synthetic
+    rows, or (`kind="python-docs"`) `rows` of the Python manual's topics (`seed` unused).
+    An existing file is replaced only if it is a corpus written here (`NotOurs` otherwise)."""
+    if kind == "python-docs":
+        table = python_docs_corpus(rows)
+        mark = {"written_by": MARK, "kind": kind, "rows": table.num_rows}
+    else:
+        table = make_corpus(rows, seed)
+        mark = {"written_by": MARK, "rows": rows, "seed": seed}
+    table = table.replace_schema_metadata({CORPUS_KEY: json.dumps(mark)})
     sink = pa.BufferOutputStream()
     # Fixed row groups and no timestamps in metadata: same seed, same bytes.
     pq.write_table(table, sink, row_group_size=1024, store_schema=True)

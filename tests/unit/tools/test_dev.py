@@ -76,3 +76,26 @@ def test_the_tiny_models_write_words_to_the_token_limit_not_whitespace(tmp_path,
         assert len(new) == 12 and tok.eos_token_id not in new.tolist()
         text = tok.decode(new, skip_special_tokens=True)
         assert text.strip() and "\ufffd" not in text  # words, not a lone byte of a character
+
+
+def test_the_python_docs_corpus_is_real_text_of_many_lengths(tmp_path):
+    from click.testing import CliRunner
+
+    from pipeline.cli import main
+    from pipeline.tools.dev.corpus import python_docs_corpus
+
+    whole = python_docs_corpus()
+    lengths = [len(t) for t in whole.column("text").to_pylist()]
+    assert whole.num_rows == 79 and len(set(whole.column("id").to_pylist())) == 79
+    assert min(lengths) < 300 and max(lengths) > 50_000  # short notes and documents past a small context
+    some = python_docs_corpus(20)
+    picked = [len(t) for t in some.column("text").to_pylist()]
+    assert some.num_rows == 20 and min(picked) == min(lengths) and max(picked) == max(lengths)
+    assert python_docs_corpus(20).equals(some)
+    out = tmp_path / "docs.parquet"
+    r = CliRunner().invoke(main, ["dev", "sample-corpus", str(out), "--kind", "python-docs", "--rows", "20"])
+    assert r.exit_code == 0 and "20 rows" in r.output
+    assert pq.read_table(out).select(["id", "text", "source"]).equals(some)
+    # Its own file is replaced; the mark says what it is.
+    r = CliRunner().invoke(main, ["dev", "sample-corpus", str(out), "--kind", "python-docs"])
+    assert r.exit_code == 0 and pq.read_metadata(out).num_rows == 79
