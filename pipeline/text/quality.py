@@ -9,6 +9,7 @@ None of these judges a summary; each catches a pattern a user should look at:
 
 from __future__ import annotations
 
+import math
 from difflib import SequenceMatcher
 
 COPY_SHARE = 0.8
@@ -27,5 +28,10 @@ def copies_opening(output: str | None, document: str | None, share: float = COPY
     if not out or not doc:
         return False
     opening = doc[: 2 * len(out)]
+    need = math.ceil(share * len(out))
+    # Any shared substring of `need` characters or more covers out[len(out) - need:need]:
+    # where that core is not in the opening (most outputs), nothing longer can be.
+    if 2 * need > len(out) and out[len(out) - need:need] not in opening:
+        return False
     match = SequenceMatcher(None, out, opening, autojunk=False).find_longest_match(0, len(out), 0, len(opening))
-    return match.size >= share * len(out)
+    return match.size >= need
