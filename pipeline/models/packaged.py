@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pipeline.models.tiny import cache_dir
-from pipeline.storage.ownership import MARK, NotOurs, entries, json_mark, shown
+from pipeline.storage.ownership import MARK, NotOurs, folder_entries, json_mark, shown
 
 
 @dataclass(frozen=True)
@@ -84,11 +84,7 @@ def packaged_model_state(model: PackagedModel, out: Path) -> Literal["ready", "f
         return NotOurs(f"{out} {why}. Nothing was changed. The cache holds only what this pipeline writes: "
                        "move that folder away, or set PIPELINE_CACHE_DIR to another folder.")
 
-    if not out.exists():
-        return "free"
-    if not out.is_dir():
-        raise refuse("is a file, not a model folder")
-    found = entries(out)
+    found = folder_entries(out, refuse, "a model folder")
     if not found:
         return "free"
     path = out / MARKER

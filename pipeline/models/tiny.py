@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Literal
 
-from pipeline.storage.ownership import MARK, NotOurs, entries, json_mark, shown
+from pipeline.storage.ownership import MARK, NotOurs, folder_entries, json_mark, shown
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
@@ -180,11 +180,7 @@ def tiny_model_state(out: Path, seed: int = 0, kind: str = "llama",
     def refuse(why: str) -> NotOurs:
         return NotOurs(f"{out} {why}. Nothing was changed. {instead}".rstrip())
 
-    if not out.exists():
-        return "free"
-    if not out.is_dir():
-        raise refuse("is a file, not the tiny model's folder")
-    found = entries(out)
+    found = folder_entries(out, refuse, "the tiny model's folder")
     if not found:
         return "free"
     mark = _read_marker(out)

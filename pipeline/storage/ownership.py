@@ -41,6 +41,16 @@ def entries(folder: Path) -> list[str]:
     return sorted(e.name + ("/" if e.is_dir() else "") for e in os.scandir(folder))
 
 
+def folder_entries(folder: Path, refuse: Callable[[str], NotOurs], what: str) -> list[str]:
+    """What a folder this pipeline would build holds: [] where nothing is (or an empty
+    folder); a file in its place raises `refuse("is a file, not WHAT")`."""
+    if not folder.exists():
+        return []
+    if not folder.is_dir():
+        raise refuse(f"is a file, not {what}")
+    return entries(folder)
+
+
 def shown(names: list[str] | tuple[str, ...], limit: int = SHOWN) -> str:
     """`a, b, c and 4 more`."""
     names = list(names)
