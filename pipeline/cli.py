@@ -6,6 +6,7 @@ Nothing here imports Ray or vLLM at start-up, so `pipeline --help` stays fast.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -84,6 +85,32 @@ def job_options(command: Callable[..., Any]) -> Callable[..., Any]:
     ]):
         command = option(command)
     return command
+
+
+@contextmanager
+def chatter_to_log(name: str, verbose: bool) -> Iterator[Any]:
+    """Ray's and vLLM's output into a log file for the block, whose path is printed first
+    (`pipeline.observe.runlog`); with `verbose`, left where it is. Yields the `Terminal`
+    our own output goes to. Ray is stopped before the block ends, so that its last
+    words land in the log too."""
+    from datetime import datetime, timezone
+
+    from pipeline.models.tiny import cache_dir
+    from pipeline.observe.runlog import Terminal, quiet_output
+
+    if verbose:
+        yield Terminal(sys.stdout, sys.stderr, None)
+        return
+    folder = Path(os.environ["PIPELINE_LOG_DIR"]) if os.environ.get("PIPELINE_LOG_DIR") else cache_dir() / "logs"
+    path = folder / f"{name}-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-{os.getpid()}.log"
+    click.echo(f"log: {path} (Ray's and vLLM's output; --verbose prints it here)", err=True)
+    with quiet_output(path) as terminal:
+        try:
+            yield terminal
+        finally:
+            ray = sys.modules.get("ray")
+            if ray is not None and ray.is_initialized():
+                ray.shutdown()
 
 
 def check_error_rate(report: dict[str, Any], limit: float | None) -> None:
@@ -268,13 +295,14 @@ def run(job: Path, profile: Path, input_path: str | None, overrides: tuple[str, 
         overrides = (*overrides, f"input.on_bad_file={on_bad_file}")
     if backup_existing:
         overrides = (*overrides, "output.backup_existing=true")
-    watch = Watch(metrics_port=metrics_port, metrics_host=metrics_host, metrics_linger_s=metrics_linger_s,
-                  pushgateway=pushgateway, progress=progress_mode, progress_interval_s=progress_interval_s,
-                  verbose=verbose)
     with exit_codes():
         config = load_run_config(job, profile, overrides, input_path, output_path, date=date)
-        report = run_job(config, stopped="resume" if resume else "restart" if restart else "refuse",
-                         watch=watch).to_json()
+        with chatter_to_log(config.job.name, verbose) as terminal:
+            watch = Watch(metrics_port=metrics_port, metrics_host=metrics_host, metrics_linger_s=metrics_linger_s,
+                          pushgateway=pushgateway, progress=progress_mode, progress_interval_s=progress_interval_s,
+                          verbose=verbose, out=terminal.out)
+            report = run_job(config, stopped="resume" if resume else "restart" if restart else "refuse",
+                             watch=watch).to_json()
     print_summary(report)
     if show:
         print_examples(report["output"], config.job.input.id_column, config.job.input.text_column, show)
@@ -293,8 +321,11 @@ def run(job: Path, profile: Path, input_path: str | None, overrides: tuple[str, 
               help="Choose the largest batch whose P99 latency is at most MS milliseconds.")
 @click.option("--out", "out_dir", default="out/tune", show_default=True, type=click.Path(file_okay=False, path_type=Path),
               help="Where sweep.csv, sweep.json, sweep.png and profile.yaml go.")
+@click.option("--verbose", "-v", is_flag=True, default=False,
+              help="Ray's and vLLM's output here, not in the log file.")
 def tune(job: Path, profile: Path, input_path: str | None, overrides: tuple[str, ...], date: str | None,
-         sample: int, buckets: tuple[str, ...], max_batch: int | None, slo: float | None, out_dir: Path) -> None:
+         sample: int, buckets: tuple[str, ...], max_batch: int | None, slo: float | None, out_dir: Path,
+         verbose: bool) -> None:
     """Measure throughput, latency and memory across batch sizes; choose one per bucket.
 
     For each length bucket in a sample of JOB's input, sweep the batch size
@@ -308,8 +339,6 @@ def tune(job: Path, profile: Path, input_path: str | None, overrides: tuple[str,
     from pipeline.tools.tune.job import TuneRequest, tune_job
     from pipeline.tools.tune.outputs import choice_lines, sweep_table
 
-    out = Console()
-
     def on_point(bucket: str, p: Any) -> None:
         what = "out of memory" if p.oom else (
             f"{p.throughput:,.0f} tok/s · P99 {p.p99_ms:,.0f} ms · pressure {p.peak_pressure:.2f} · "
@@ -318,8 +347,11 @@ def tune(job: Path, profile: Path, input_path: str | None, overrides: tuple[str,
 
     with exit_codes():
         config = load_run_config(job, profile, overrides, input_path, None, date=date)
-        results, info = tune_job(config, TuneRequest(out_dir, sample, buckets, max_batch, slo), on_point=on_point,
-                                 on_stage=lambda msg: out.print(f"[dim]{msg}[/dim]"))
+        with chatter_to_log(f"tune-{config.job.name}", verbose) as terminal:
+            out = Console(file=terminal.out)
+            results, info = tune_job(config, TuneRequest(out_dir, sample, buckets, max_batch, slo),
+                                     on_point=on_point, on_stage=lambda msg: out.print(f"[dim]{msg}[/dim]"))
+    out = Console()
     meta = info["meta"]
     out.print(sweep_table(results, f"tune · {meta['job_file']} on {meta['profile_file']} · "
                                    f"{meta['sample_rows']} prompts · {meta['wall_s']:.0f} s"))

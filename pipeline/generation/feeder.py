@@ -152,6 +152,9 @@ class FeederTotals:
     requests: int = 0  # rows served by every call: annotations and map-reduce levels too
     output_tokens: int = 0
     serving_s: float = 0.0  # time with at least one call waiting on this engine; the rest waited for input
+    # As each request finishes, for live progress (the two above count at each call's end):
+    finished_requests: int = 0
+    finished_output_tokens: int = 0
 
     def busy_fraction(self) -> float | None:
         if self.first_start is None or self.last_end is None or self.last_end <= self.first_start:
@@ -563,6 +566,8 @@ class _Call:
                                               c.finish_reason, first_token_s=c.first_token_s, finished_at=now)
         self.suspects.discard(r.position)
         self.output_tokens += c.output_tokens
+        self.feeder.totals.finished_requests += 1
+        self.feeder.totals.finished_output_tokens += c.output_tokens
         if self.window is not None:
             self.window.done += 1
             self.window.output_tokens += c.output_tokens

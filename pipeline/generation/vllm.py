@@ -278,7 +278,10 @@ class VLLMEngine:
         """Queue one request; raises if the engine refuses it (too long, say)."""
         request_id = f"req-{self._next_id}"
         self._next_id += 1
-        self._engine.add_request(request_id, {"prompt_token_ids": prompt_token_ids}, self._sampling_params(sampling))
+        # Rendered first (the token ids as they are: no template, no tokenizer), as vLLM
+        # asks: a raw prompt handed to add_request is deprecated.
+        (rendered,) = self._engine.renderer.render_cmpl([{"prompt_token_ids": prompt_token_ids}])
+        self._engine.add_request(request_id, rendered, self._sampling_params(sampling))
         self._submitted[request_id] = time.monotonic()
         return request_id
 

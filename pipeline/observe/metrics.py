@@ -32,8 +32,9 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TextIO
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class Watch:
     progress: str = "auto"  # live (a terminal), lines (anything else), off
     progress_interval_s: float = 30.0
     verbose: bool = False  # Ray's own progress, and every engine's warnings
+    out: TextIO | None = None  # where progress goes (None: stdout); see `pipeline.observe.runlog`
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,7 @@ class EngineMeter:
         self.prompt_tokens = 0
         self.output_tokens = 0
         self.budget_rows: dict[str, int] = {}  # the last budget seen per bucket
+        self.map_reduce = 0  # documents of this engine in map-reduce now
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -108,6 +111,17 @@ class EngineMeter:
             self.rows.update(zip(status, [b or "none" for b in buckets]))
             self.prompt_tokens += prompt_tokens
             self.output_tokens += output_tokens
+
+    @contextmanager
+    def mapping(self, documents: int) -> Iterator[None]:
+        """`documents` long documents of this engine are in map-reduce inside the block."""
+        with self._lock:
+            self.map_reduce += documents
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.map_reduce -= documents
 
     def snapshot(self) -> dict[str, Any]:
         in_flight: Counter[str] = Counter()
@@ -121,12 +135,16 @@ class EngineMeter:
                 for b in self.policy.trajectory(bucket).get("backoffs", []):
                     backoffs[str(b.get("reason", "unknown"))] += 1
         totals = getattr(self.feeder, "totals", None)
+        generated = {"requests": getattr(totals, "finished_requests", 0),
+                     "output_tokens": getattr(totals, "finished_output_tokens", 0)}
         with self._lock:
             rows = [[s, b, n] for (s, b), n in self.rows.items()]
             prompt, output = self.prompt_tokens, self.output_tokens
         return {
             "engine": self.engine, "incarnation": self.incarnation, "node": self.node, "at": time.time(),
             "rows": rows, "prompt_tokens": prompt, "output_tokens": output,
+            # Every request the engine finished, chunk summaries and reduces too, as they finish:
+            "generated": generated, "map_reduce": self.map_reduce,
             "kv_cache_usage": self._engine.kv_gauges()[0] if self._engine is not None else None,
             "busy_ratio": totals.busy_fraction() if totals is not None else None,
             "in_flight": dict(in_flight), "budget_rows": dict(self.budget_rows),
@@ -163,7 +181,10 @@ class RunState:
     resumed_rows: int = 0
     rows: Counter[tuple[str, str]] = field(default_factory=Counter)
     prompt_tokens: int = 0
-    output_tokens: int = 0
+    output_tokens: int = 0  # of the rows out
+    requests: int = 0  # engine requests finished: rows, chunk summaries, reduces, annotation retries
+    generated_tokens: int = 0  # their output tokens, as they finish
+    map_reduce: int = 0  # long documents in map-reduce now
     tokens_per_s: float | None = None
     eta_s: float | None = None
     started_at: float = 0.0
@@ -188,19 +209,41 @@ class RunState:
         return out
 
 
-def merge(snapshots: list[dict[str, Any]]) -> tuple[Counter[tuple[str, str]], int, int, list[dict[str, Any]]]:
-    """Every incarnation's counts summed (a restarted engine's dead incarnation keeps what
-    it counted), and the newest snapshot of each engine."""
+def merge(snapshots: list[dict[str, Any]], into: RunState) -> None:
+    """Every incarnation's counts summed into `into` (a restarted engine's dead incarnation
+    keeps what it counted), and the newest snapshot of each engine."""
     rows: Counter[tuple[str, str]] = Counter()
-    prompt = output = 0
+    prompt = output = requests = generated = 0
     newest: dict[str, dict[str, Any]] = {}
     for s in snapshots:
         rows.update({(st, b): n for st, b, n in s["rows"]})
         prompt += s["prompt_tokens"]
         output += s["output_tokens"]
+        requests += s.get("generated", {}).get("requests", 0)
+        generated += s.get("generated", {}).get("output_tokens", 0)
         if s["engine"] not in newest or s["at"] > newest[s["engine"]]["at"]:
             newest[s["engine"]] = s
-    return rows, prompt, output, sorted(newest.values(), key=lambda s: s["engine"])
+    into.rows, into.prompt_tokens, into.output_tokens = rows, prompt, output
+    into.requests, into.generated_tokens = requests, max(generated, output)
+    into.engines = sorted(newest.values(), key=lambda s: s["engine"])
+    into.map_reduce = sum(e.get("map_reduce", 0) for e in into.engines)
+
+
+def rates(s: RunState, since: tuple[float, int, int, int], now: float) -> tuple[float | None, float | None]:
+    """Output tokens/s and the ETA over the span from `since` (time, rows done, tokens,
+    requests). Both count every engine request as it finishes, chunk summaries and reduces
+    too: a long document's map-reduce moves them before its row is out. The ETA is the
+    rows left at the request rate, times the rows a request has made so far."""
+    t0, _, tokens0, requests0 = since
+    span = now - t0
+    if span <= 0:
+        return s.tokens_per_s, s.eta_s
+    tokens_per_s = (s.generated_tokens - tokens0) / span
+    rows_done = s.done - s.resumed_rows
+    if s.remaining is None or not s.requests or not rows_done:
+        return tokens_per_s, None
+    rows_per_s = (s.requests - requests0) / span * min(1.0, rows_done / s.requests)
+    return tokens_per_s, (s.remaining / rows_per_s if rows_per_s > 0 else None)
 
 
 class RunMetrics:
@@ -217,7 +260,7 @@ class RunMetrics:
         self.state = RunState(started_at=time.time())
         self.watchers: list[Callable[[RunState], None]] = []
         self._source: Callable[[], dict[str, Any]] | None = None
-        self._history: deque[tuple[float, int, int]] = deque()  # (time, done rows, output tokens)
+        self._history: deque[tuple[float, int, int, int]] = deque()  # (time, rows done, tokens, requests)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -303,23 +346,17 @@ class RunMetrics:
         except Exception as e:  # the pool is gone or busy: keep the last values
             log.debug("could not read engine metrics: %s", e)
             return
-        rows, prompt, output, engines = merge(pool.get("snapshots", []))
         now = time.time()
         with self._lock:
             s = self.state
-            s.rows, s.prompt_tokens, s.output_tokens, s.engines = rows, prompt, output, engines
+            merge(pool.get("snapshots", []), into=s)
             s.restarts, s.stalls = Counter(pool.get("restarts", {})), Counter(pool.get("stalls", {}))
-            if s.done == s.resumed_rows and not output:
-                self._history.clear()  # the rates start with the first row, not with the engines' start-up
-            self._history.append((now, s.done, output))
+            if not s.requests and not s.generated_tokens:
+                self._history.clear()  # the rates start with the first request, not with the engines' start-up
+            self._history.append((now, s.done, s.generated_tokens, s.requests))
             while len(self._history) > 2 and now - self._history[0][0] > RATE_WINDOW_S:
                 self._history.popleft()
-            t0, done0, out0 = self._history[0]
-            span = now - t0
-            if span > 0:
-                s.tokens_per_s = (output - out0) / span
-                rows_per_s = (s.done - done0) / span
-                s.eta_s = s.remaining / rows_per_s if rows_per_s > 0 and s.remaining is not None else None
+            s.tokens_per_s, s.eta_s = rates(s, self._history[0], now)
         for watch in self.watchers:
             watch(self.state)
 

@@ -45,6 +45,8 @@ def summary_line(state: RunState) -> str:
              f"ok {statuses.get('ok', 0):,}", f"error {statuses.get('error', 0):,}"]
     other = {k: v for k, v in statuses.items() if k not in ("ok", "error")}
     parts += [f"{k} {v:,}" for k, v in sorted(other.items())]
+    if state.map_reduce:
+        parts.append(f"{state.map_reduce:,} long document{'s' if state.map_reduce != 1 else ''} in map-reduce")
     if state.tokens_per_s is not None:
         parts.append(f"{state.tokens_per_s:,.0f} output tok/s")
     parts.append(f"ETA {_duration(state.eta_s)}" if state.ended_at is None else "done")
@@ -108,7 +110,9 @@ def progress_for(title: str, mode: str, interval_s: float, stream: TextIO | None
     if mode == "auto":
         mode = "live" if stream.isatty() else "lines"
     if mode == "live":
-        return ProgressView(title)
+        from rich.console import Console
+
+        return ProgressView(title, Console(file=stream))
     if mode == "lines":
         return ProgressLines(interval_s, stream)
     return None

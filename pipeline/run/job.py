@@ -141,7 +141,7 @@ def read_and_prepare(config: RunConfig, inputs: Any, settings: PrepareSettings,
         num_cpus=1,
     )
     if skip and passages:  # a document's passages exist once it is cut: skipped by id and passage
-        ds = skipping(ds, num_cpus=0.1)
+        ds = skipping(ds, num_cpus=0.1, concurrency=1)
     return ds
 
 
@@ -174,7 +174,7 @@ def run_job(config: RunConfig, run_id: str | None = None,
     watch = watch or Watch()
     metrics = RunMetrics(RunLabels(config.job.name, run_id, config.job.output.path, config.profile.model.name),
                          watch)
-    progress = progress_for(config.job.name, watch.progress, watch.progress_interval_s)
+    progress = progress_for(config.job.name, watch.progress, watch.progress_interval_s, watch.out)
     if progress is not None:
         metrics.watchers.append(progress)
     try:
@@ -295,7 +295,7 @@ def build_dataset(ctx: RunContext, target: OutputTarget) -> tuple[Any, PrepareSe
         # Then cut into blocks of an engine's batch: Ray Data hands out blocks, not
         # batches, so a window left whole would go to one engine (streaming, no shuffle).
         ds = (ds.map_batches(group_window, batch_size=profile.bucketing.window_rows, batch_format="pyarrow",
-                             num_cpus=0.1)
+                             num_cpus=0.1, concurrency=1)
               .repartition(target_num_rows_per_block=profile.batching.generate_batch_rows))
     elif profile.bucketing.grouping == "global":
         # One range partition per bucket, after every row is read (an all-to-all barrier).
@@ -330,7 +330,11 @@ def run_dataset(ctx: RunContext, ds: Any, prepare: PrepareSettings, target: Outp
         try:
             # Write tasks ask for a tenth of a CPU: they wait on storage, and at a whole
             # CPU Ray Data's resource budget held every part back until the input was read.
-            ds.write_datasink(sink, ray_remote_args={"num_cpus": 0.1})
+            # And at most one more at once than there are engines: each running task is a
+            # worker process, and a tenth of a CPU each let Ray start more than a small machine
+            # has cores (it warned of it).
+            ds.write_datasink(sink, ray_remote_args={"num_cpus": 0.1},
+                              concurrency=config.profile.hardware.num_engines + 1)
         except Exception as e:
             check.raise_if_refused()
             raise engines_failed(e, pool.incidents(), engine.max_restarts) from e

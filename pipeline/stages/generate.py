@@ -38,6 +38,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from itertools import groupby
 from typing import Any
@@ -407,7 +408,9 @@ class GenerateStage:
         chunked = [i for i in range(batch.num_rows) if rows.status[i] == Status.OK and chunk_texts[i] is not None]
         if chunked:
             texts = {i: batch.slice(i, 1).to_pylist()[0] for i in chunked}
-            for i, c in self._summarize_chunked(texts, {i: chunk_texts[i] for i in chunked}, calls).items():
+            with self.meter.mapping(len(chunked)) if self.meter is not None else nullcontext():
+                summaries = self._summarize_chunked(texts, {i: chunk_texts[i] for i in chunked}, calls)
+            for i, c in summaries.items():
                 rows.completed(i, c)
 
     def __del__(self) -> None:

@@ -332,13 +332,24 @@ def duplicate_ids(inputs: InputFiles, id_column: str, show: int = 5) -> tuple[in
     # A quarter of a CPU per task: they run beside the job's reads and engine start-up.
     read = ray.remote(num_cpus=0.25, num_returns=splits)(_split_ids)
     count = ray.remote(num_cpus=0.25)(_repeated_ids)
-    per_file = [read.remote(path, inputs.filesystem, id_column, splits) for path in inputs.paths]
-    per_file = [refs if splits > 1 else [refs] for refs in per_file]
-    found = ray.get([count.remote(*(refs[k] for refs in per_file), show=show) for k in range(splits)])
+    # At most ID_CHECK_TASKS at once: each running task is a worker process, and a task per
+    # file at once started more workers than a small machine has cores (Ray warned of it).
+    per_file, running = [], []
+    for path in inputs.paths:
+        if len(running) >= ID_CHECK_TASKS:
+            _, running = ray.wait(running, num_returns=1, fetch_local=False)
+        refs = read.remote(path, inputs.filesystem, id_column, splits)
+        per_file.append(refs if splits > 1 else [refs])
+        running.append(per_file[-1][0])
+    found = []
+    for k in range(0, splits, ID_CHECK_TASKS):
+        found += ray.get([count.remote(*(refs[j] for refs in per_file), show=show)
+                          for j in range(k, min(k + ID_CHECK_TASKS, splits))])
     return sum(n for n, _ in found), [x for _, examples in found for x in examples][:show]
 
 
 MAX_ID_SPLITS = 64
+ID_CHECK_TASKS = 2
 
 
 def _split_ids(path: str, filesystem: Any, column: str, splits: int) -> Any:

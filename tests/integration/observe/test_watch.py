@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import time
 from datetime import datetime
+from pathlib import Path
 import urllib.request
 
 import pytest
@@ -107,3 +108,17 @@ def test_off_a_terminal_progress_comes_as_lines_at_the_interval_and_ray_keeps_qu
     # Ray's own progress: a block of lines every 10 s off a terminal, now only with --verbose.
     assert "Running Dataset" not in err and "logging_progress" not in err
     assert "``concurrency`` is deprecated" not in err and "`ray_remote_args` is deprecated" not in err
+
+
+def test_ray_and_vllm_chatter_goes_to_the_run_log_whose_path_comes_first(job_run):
+    err = job_run.result.stderr
+    first = err.splitlines()[0]
+    assert first.startswith("log: ") and first.endswith("(Ray's and vLLM's output; --verbose prints it here)")
+    log = Path(first.removeprefix("log: ").split(" (")[0])
+    kept = log.read_text()
+    assert "Started a local Ray instance" in kept and "Execution plan of Dataset" in kept
+    for chatter in ("Started a local Ray instance", "Execution plan", "core_worker", "Progress bars disabled",
+                    "PYTHON worker processes", "Triton", "NUMA", "LD_PRELOAD", "FutureWarning", "(raylet)"):
+        assert chatter not in err and chatter not in job_run.result.stdout, chatter
+    # The cause fixed, not hidden: token ids are rendered before they reach the engine.
+    assert "Passing raw prompts" not in kept

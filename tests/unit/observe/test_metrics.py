@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.generation.feeder import FeederTotals
-from pipeline.observe.metrics import EngineMeter, MeterSources, RunLabels, RunMetrics, Watch, merge
+from pipeline.observe.metrics import EngineMeter, MeterSources, RunLabels, RunMetrics, RunState, Watch, merge
 from pipeline.observe.progress import ProgressLines, summary_line
 
 
@@ -53,11 +53,14 @@ def test_a_restarted_engine_keeps_what_its_dead_incarnation_counted():
     old, new = meter(incarnation="i1"), meter(incarnation="i2")
     old.count(["ok"] * 10, ["le256"] * 10, 1000, 160)
     new.count(["ok"] * 3, ["le256"] * 3, 300, 48)
+    old.feeder.totals.finished_requests, new.feeder.totals.finished_requests = 14, 3  # a chunked row's 5 calls
     first = old.snapshot()
     time.sleep(0.01)
-    rows, prompt, output, engines = merge([first, new.snapshot()])
-    assert rows[("ok", "le256")] == 13 and (prompt, output) == (1300, 208)
-    assert [e["incarnation"] for e in engines] == ["i2"]  # gauges: the live incarnation's
+    state = RunState()
+    merge([first, new.snapshot()], into=state)
+    assert state.rows[("ok", "le256")] == 13 and (state.prompt_tokens, state.output_tokens) == (1300, 208)
+    assert state.requests == 17
+    assert [e["incarnation"] for e in state.engines] == ["i2"]  # gauges: the live incarnation's
 
 
 def run_metrics(port=None, host="0.0.0.0", pushgateway=None, linger_s=0.0, **kw) -> RunMetrics:
@@ -67,6 +70,7 @@ def run_metrics(port=None, host="0.0.0.0", pushgateway=None, linger_s=0.0, **kw)
     for engine in ("e1", "e2"):
         x = meter(engine=engine, incarnation=engine + "-1")
         x.count(["ok"] * 40, ["le256"] * 40, 4000, 640)
+        x.feeder.totals.finished_requests, x.feeder.totals.finished_output_tokens = 40, 640
         snaps.append(x.snapshot())
     pool = {"snapshots": snaps, "restarts": {"e2": 1}, "stalls": {"e2": 1}}
     m.expect(rows_in=100, resumed_rows=10)
@@ -98,10 +102,36 @@ def test_the_exposition_names_every_series_with_its_labels():
 def test_the_rate_and_eta_follow_the_rows():
     m = run_metrics()
     m.refresh()
-    m._history.appendleft((time.time() - 10, 40, 640))  # ten seconds ago: 50 rows, 640 tokens fewer
+    m._history.appendleft((time.time() - 10, 40, 640, 30))  # ten seconds ago: 50 requests, 640 tokens fewer
     m.refresh()
     assert m.state.tokens_per_s == pytest.approx(64, rel=0.05)
     assert m.state.eta_s == pytest.approx(10 / 5, rel=0.05)  # 10 rows left at 5 rows/s
+
+
+def test_chunk_and_reduce_calls_move_the_rate_and_the_eta_before_their_rows_are_out():
+    """A long document's map-reduce makes many requests and its row comes out last: the
+    line must not read 0 tok/s and ETA ? while they run."""
+    m = RunMetrics(RunLabels("nightly_summarize", "run-1", "/data/out", "tiny"), Watch(metrics_linger_s=0.0))
+    e = meter(engine="e1", incarnation="e1-1")
+    m.expect(rows_in=12)
+    m.attach(lambda: {"snapshots": [e.snapshot()]})
+    m.refresh()  # the engines started, nothing generated yet
+    assert m.state.tokens_per_s is None and m.state.eta_s is None
+    e.count(["ok"] * 8, ["le256"] * 8, 800, 128)
+    e.feeder.totals.finished_requests, e.feeder.totals.finished_output_tokens = 8, 128
+    m.refresh()
+    m._history[0] = (time.time() - 10, 0, 0, 0)
+    with e.mapping(3):  # 3 long documents: their chunk summaries finish, their rows do not
+        e.feeder.totals.finished_requests, e.feeder.totals.finished_output_tokens = 48, 768
+        m.refresh()
+    assert m.state.done == 8 and m.state.map_reduce == 3
+    assert m.state.tokens_per_s == pytest.approx(76.8, rel=0.05)
+    # 4.8 requests/s, a row per 6 requests so far: 0.8 rows/s, 4 rows left
+    assert m.state.eta_s == pytest.approx(4 / 0.8, rel=0.05)
+    assert "3 long documents in map-reduce · 77 output tok/s · ETA 5s" in summary_line(m.state)
+    m.attach(lambda: {"snapshots": [e.snapshot()]})
+    m.refresh()
+    assert m.state.map_reduce == 0 and "map-reduce" not in summary_line(m.state)
 
 
 def test_the_endpoint_serves_while_the_run_goes_and_lingers_after_it():
