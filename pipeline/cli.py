@@ -167,8 +167,19 @@ def print_summary(report: dict[str, Any]) -> None:
         )
     if report.get("annotations"):
         a = report["annotations"]
-        out.print(f"annotations: {a['valid']:,} valid · {a['invalid_output']:,} invalid_output · "
-                  f"{a['retried']:,} retried with more room")
+        t = a.get("tries") or {}
+        annotated = sum(t.get(k, 0) for k in ("first_try", "after_retry", "invalid_output"))
+        if annotated:
+            out.print(f"annotations: valid at the first try {share(t['first_try'], annotated)} · "
+                      f"after the retry {share(t['after_retry'], annotated)} · "
+                      f"invalid_output {share(t['invalid_output'], annotated)}")
+        else:
+            out.print(f"annotations: {a['valid']:,} valid · {a['invalid_output']:,} invalid_output · "
+                      f"{a['retried']:,} retried with more room")
+        found = [f"{column} {f['share']:.0%} of {f['values']:,}" for column, f in a.get("found_in_text", {}).items()
+                 if f.get("share") is not None]
+        if found:
+            out.print("found in the text: " + " · ".join(found))
     if report.get("date"):
         out.print(f"date: {report['date']}")
     tuned = report.get("batching", {}).get("tuned_rows")

@@ -122,6 +122,7 @@ class Annotation:
     completion: Completion
     value: dict[str, Any] | None
     invalid: str | None
+    tries: int = 1  # 2: the first output did not validate, this is the retry's
 
 
 @dataclass(frozen=True)
@@ -157,7 +158,7 @@ def annotate(calls: BatchCalls, bucket: str, members: list[int], token_ids: list
                 spent = out[i].completion
                 merged = Completion(c.text, c.output_tokens + spent.output_tokens, c.latency_s + spent.latency_s,
                                     c.finish_reason, c.error)
-                out[i] = Annotation(merged, None, c.error) if c.error else Annotation(merged, *parse(c.text))
+                out[i] = Annotation(merged, None, c.error, 2) if c.error else Annotation(merged, *parse(c.text), 2)
     for i, c in failed.items():
         out[i] = Annotation(c, None, None)
     return out

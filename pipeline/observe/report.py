@@ -59,6 +59,7 @@ def bucket_table(prompt_tokens_by_bucket: dict[str, dict[int, int]], order: tupl
                 "rows": q["rows"], "cut_at_limit": q["cut_at_limit"], "empty_output": q["empty_output"],
                 "copies_opening": q["copies_opening"],
                 "median_output_tokens": median_of_counts(tokens) if tokens else None,
+                **({"annotations": q["annotations"]} if "annotations" in q else {}),
             }
     return out
 
@@ -294,7 +295,8 @@ def build_report(ctx: RunContext, engine_settings: dict[str, Any]) -> RunReport:
         input_files={"format": ctx.inputs.format, "read": len(ctx.inputs.paths), "skipped": ctx.inputs.skipped},
         passages=None if job.passages is None else {
             **job.passages.model_dump(), "documents_in": ctx.inputs.rows, "passages_out": written["rows"]},
-        annotations=None if job.annotations is None else annotations_section(job.annotations, status, calls),
+        annotations=None if job.annotations is None else annotations_section(
+            job.annotations, status, calls, written.get("quality")),
         padding=padding_summary(actors),
         length={**job.length.model_dump(), "percentile_cap_tokens": ctx.percentile_cap,
                 "truncated": written["truncated"], "chunked": written["chunked"]},
@@ -336,13 +338,33 @@ def batching_section(ctx: RunContext, calls: list[dict[str, Any]]) -> dict[str, 
     }
 
 
-def annotations_section(annotations: Any, status: dict[str, int], calls: list[dict[str, Any]]) -> dict[str, Any]:
+def annotations_section(annotations: Any, status: dict[str, int], calls: list[dict[str, Any]],
+                        quality: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The annotations' columns and calls; of the rows with an annotation call, the shares
+    valid at the first try, after the retry, and `invalid_output`; and per list column,
+    the share of extracted values that occur in the row's text (`pipeline.text.quality`)."""
     kinds = Counter(c.get("kind") for c in calls)
+    tries = {"first_try": 0, "after_retry": 0, "invalid_output": 0}
+    found: dict[str, dict[str, int]] = {}
+    for q in (quality or {}).values():
+        a = q.get("annotations")
+        if a is None:
+            continue
+        for k in tries:
+            tries[k] += a[k]
+        for column, f in a["found"].items():
+            g = found.setdefault(column, {"values": 0, "in_text": 0})
+            g["values"] += f["values"]
+            g["in_text"] += f["in_text"]
+    annotated = sum(tries.values())
     return {
         "columns": [f"{f.name}: {f.type}" for f in annotations.fields()],
         "valid": status.get("ok", 0), "invalid_output": status.get("invalid_output", 0),
         "retried": sum(c.get("rows", 0) for c in calls if c.get("kind") == CallKind.ANNOTATIONS_RETRY),
         "calls": kinds.get(CallKind.ANNOTATIONS, 0) + kinds.get(CallKind.ANNOTATIONS_RETRY, 0),
+        "tries": {**tries, "shares": {k: round(v / annotated, 4) for k, v in tries.items()} if annotated else None},
+        "found_in_text": {column: {**f, "share": round(f["in_text"] / f["values"], 4) if f["values"] else None}
+                          for column, f in found.items()},
     }
 
 

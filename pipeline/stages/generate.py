@@ -176,13 +176,14 @@ class RowOutcomes:
     call_of: list[str | None]
     values: list[dict[str, Any] | None] | None  # the annotations, parsed (None: the job does not annotate)
     raw: list[str | None] | None
+    tries: list[int | None] | None  # annotation calls: 1, or 2 after the retry
 
     @classmethod
     def of(cls, batch: pa.Table, annotating: bool) -> RowOutcomes:
         n = batch.num_rows
         return cls(batch.column("status").to_pylist(), batch.column("error").to_pylist(), [None] * n, [0] * n,
                    [None] * n, [None] * n, [None] * n, [None] * n if annotating else None,
-                   [None] * n if annotating else None)
+                   [None] * n if annotating else None, [None] * n if annotating else None)
 
     def completed(self, i: int, c: Completion) -> None:
         """A summary: ok, an error, or empty (only whitespace)."""
@@ -197,8 +198,9 @@ class RowOutcomes:
     def annotated(self, i: int, a: Annotation) -> None:
         """An annotation: its tokens and time add to the summary's; it fails the row when it
         errs, is empty or does not validate (its text kept in `raw_output`)."""
-        assert self.values is not None and self.raw is not None
+        assert self.values is not None and self.raw is not None and self.tries is not None
         c = a.completion
+        self.tries[i] = a.tries
         self.output_tokens[i] += c.output_tokens
         self.finish[i] = c.finish_reason
         self.latency[i] = (self.latency[i] or 0.0) + c.latency_s
@@ -215,7 +217,8 @@ class RowOutcomes:
         """The generated columns, in output order (the annotation columns after the summary)."""
         annotations = {}
         if self.values is not None and parser is not None:
-            annotations = {**parser.columns(self.values, prefix), schema.RAW_OUTPUT.name: pa.array(self.raw, pa.string())}
+            annotations = {**parser.columns(self.values, prefix), schema.RAW_OUTPUT.name: pa.array(self.raw, pa.string()),
+                           schema.ANNOTATION_TRIES.name: pa.array(self.tries, pa.int8())}
         return {"summary": pa.array(self.summary, pa.string()), **annotations,
                 "output_tokens": pa.array(self.output_tokens, pa.int32()),
                 "finish_reason": pa.array(self.finish, pa.string()),

@@ -31,7 +31,7 @@ from ray.data.datasource.datasink import WriteResult
 
 from pipeline import schema
 from pipeline.storage.commits import commit_part
-from pipeline.text.quality import copies_opening
+from pipeline.text.quality import copies_opening, extracted_strings, found_in_text
 
 PART_PREFIX = "part-"
 
@@ -95,7 +95,33 @@ def _quality(table: pa.Table, text_column: str) -> dict[str, dict[str, Any]]:
         q["empty_output"] += status == schema.Status.EMPTY_OUTPUT
         q["copies_opening"] += copies_opening(summary, text)
         q["output_tokens"][tokens] += 1
+    if schema.ANNOTATION_TRIES.name in table.column_names:
+        _annotation_quality(table, texts, out)
     return {b: {**q, "output_tokens": dict(q["output_tokens"])} for b, q in out.items()}
+
+
+def _annotation_quality(table: pa.Table, texts: list[str | None], out: dict[str, dict[str, Any]]) -> None:
+    """Per bucket, of the rows with an annotation call: valid at the first try, valid after
+    the retry, or `invalid_output`; and per list column of the annotations (keywords, entity
+    names), how many values it extracted and how many of them occur in the row's text."""
+    names = table.column_names
+    columns = [n for n in names[names.index("summary") + 1:names.index(schema.RAW_OUTPUT.name)]
+               if pa.types.is_list(table.schema.field(n).type)]
+    values = {n: table.column(n).to_pylist() for n in columns}
+    for k, (b, status, tries) in enumerate(zip(table.column("bucket").to_pylist(), table.column("status").to_pylist(),
+                                               table.column(schema.ANNOTATION_TRIES.name).to_pylist())):
+        if b not in out or tries is None:
+            continue
+        a = out[b].setdefault("annotations", {"first_try": 0, "after_retry": 0, "invalid_output": 0, "found": {}})
+        valid = status == schema.Status.OK
+        a["first_try"] += valid and tries == 1
+        a["after_retry"] += valid and tries == 2
+        a["invalid_output"] += status == schema.Status.INVALID_OUTPUT
+        for n in columns:
+            strings = extracted_strings(values[n][k])
+            f = a["found"].setdefault(n, {"values": 0, "in_text": 0})
+            f["values"] += len(strings)
+            f["in_text"] += found_in_text(strings, texts[k])
 
 
 def _block_stats(table: pa.Table, text_column: str = "text") -> dict[str, Any]:
@@ -174,6 +200,14 @@ def merge_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
             for k in ("rows", "cut_at_limit", "empty_output", "copies_opening"):
                 m[k] += q[k]
             m["output_tokens"].update({int(n): c for n, c in q["output_tokens"].items()})
+            if "annotations" in q:
+                a = m.setdefault("annotations", {"first_try": 0, "after_retry": 0, "invalid_output": 0, "found": {}})
+                for k in ("first_try", "after_retry", "invalid_output"):
+                    a[k] += q["annotations"][k]
+                for n, f in q["annotations"]["found"].items():
+                    g = a["found"].setdefault(n, {"values": 0, "in_text": 0})
+                    g["values"] += f["values"]
+                    g["in_text"] += f["in_text"]
         for r in part["call_records"]:
             records[r["call"]] = r
         # A call's rows may land in several blocks: widen its observed range.

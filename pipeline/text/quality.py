@@ -5,6 +5,9 @@ None of these judges a summary; each catches a pattern a user should look at:
   `max_new_tokens` stopped it; many of these say the limit is too low.
 - **copies the opening** (`copies_opening`): the output is mostly a stretch of the
   document's first lines, a small model's habit; many of these say the prompt needs work.
+- **found in the text** (`found_in_text`): of the strings an annotation extracted
+  (keywords, entity names), those that occur in the row's text; few of these say the
+  values are not coming from the text.
 """
 
 from __future__ import annotations
@@ -35,3 +38,24 @@ def copies_opening(output: str | None, document: str | None, share: float = COPY
         return False
     match = SequenceMatcher(None, out, opening, autojunk=False).find_longest_match(0, len(out), 0, len(opening))
     return match.size >= need
+
+
+def found_in_text(values: list[str], text: str | None) -> int:
+    """How many of `values` occur in `text`: case-insensitive, with whitespace `normalized`.
+    An empty value is not found."""
+    haystack = normalized(text or "").casefold()
+    return sum(bool(v) and normalized(v).casefold() in haystack for v in values)
+
+
+def extracted_strings(value: object) -> list[str]:
+    """The strings an annotation value names: a string list as it is, a list of objects by
+    each one's `name` (entities); anything else names none."""
+    if not isinstance(value, list):
+        return []
+    out = []
+    for v in value:
+        if isinstance(v, str):
+            out.append(v)
+        elif isinstance(v, dict) and isinstance(v.get("name"), str):
+            out.append(v["name"])
+    return out

@@ -24,7 +24,7 @@ def block(ids, bucket, call, first_stats=None, status="ok", texts=None, summarie
         "bucket": [bucket] * n,
         "truncated": [False] * n, "original_tokens": pa.array([None] * n, pa.int32()),
         "chunks": pa.array([None] * n, pa.int32()), "notes": pa.array([None] * n, pa.string()),
-        "status": [status] * n, "error": pa.array([None] * n, pa.string()),
+        "status": status if isinstance(status, list) else [status] * n, "error": pa.array([None] * n, pa.string()),
         "latency_s": [0.1] * n, "model": ["m"] * n, "run_id": ["r"] * n,
         schema.BUCKET_INDEX: pa.array([0] * n, pa.int32()),
         schema.ENGINE_CALL: pa.array([call] * n, pa.string()),

@@ -83,6 +83,15 @@ def test_annotations_are_typed_columns_whose_values_validate(kb):
     a = report["annotations"]
     assert a["valid"] == len(rows) and a["invalid_output"] == 0
     assert a["retried"] >= 1  # 200 tokens cut the JSON off; the retry had room
+    # The shares, as the output's own columns give them.
+    tries = Counter(r["annotation_tries"] for r in rows)
+    assert a["tries"]["first_try"] == tries[1] and a["tries"]["after_retry"] == tries[2] == a["retried"]
+    assert a["tries"]["shares"]["after_retry"] == round(tries[2] / len(rows), 4)
+    for column, strings in (("keywords", lambda v: v), ("entities", lambda v: [e["name"] for e in v])):
+        values = [(s, r["passage"]) for r in rows for s in strings(r[column] or [])]
+        found = sum(bool(s) and " ".join(s.split()).casefold() in " ".join(p.split()).casefold() for s, p in values)
+        assert a["found_in_text"][column]["values"] == len(values)
+        assert a["found_in_text"][column]["in_text"] == found
 
 
 STOPPED_RUN = "20261101T000000Z-dead00"

@@ -148,3 +148,30 @@ def test_median_of_counts_matches_the_median_of_the_values(values):
     from pipeline.observe.report import median_of_counts
 
     assert median_of_counts(dict(Counter(values))) == median(values)
+
+
+def test_annotation_tries_and_values_found_in_the_text_are_counted_and_merged():
+    text = "Ada Lovelace wrote the first program for Babbage's Analytical Engine in London."
+    base = block(["a", "b", "c", "d"], "le128", "c0", texts=[text] * 4, summaries=["s"] * 4,
+                 status=["ok", "ok", "invalid_output", "error"], finish=["stop", "stop", "length", None])
+    at = base.column_names.index("summary") + 1
+    columns = {
+        "keywords": pa.array([["analytical engine", "first  program"], ["poetry"], None, None], pa.list_(pa.string())),
+        "entities": pa.array([[{"name": "Ada Lovelace", "type": "person"}], [{"name": "Paris", "type": "place"}],
+                              None, None],
+                             pa.list_(pa.struct([("name", pa.string()), ("type", pa.string())]))),
+        "title": pa.array(["t", "t", None, None]),  # not a list: nothing to look for
+        "raw_output": pa.array([None, None, "{", None], pa.string()),
+        "annotation_tries": pa.array([1, 2, 2, None], pa.int8()),  # d failed before its annotation call
+    }
+    t = base
+    for k, (name, values) in enumerate(columns.items()):
+        t = t.add_column(at + k, name, values)
+    stats = _block_stats(t)
+    assert stats["quality"]["le128"]["annotations"] == {
+        "first_try": 1, "after_retry": 1, "invalid_output": 1,
+        "found": {"keywords": {"values": 3, "in_text": 2}, "entities": {"values": 2, "in_text": 1}}}
+    again = json.loads(json.dumps(stats))
+    merged = merge_stats([{"file": "p0", **stats}, {"file": "p1", **again}])
+    assert merged["quality"]["le128"]["annotations"]["found"]["keywords"] == {"values": 6, "in_text": 4}
+    assert merged["quality"]["le128"]["annotations"]["after_retry"] == 2
