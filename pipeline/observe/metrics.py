@@ -240,9 +240,10 @@ def rates(s: RunState, since: tuple[float, int, int, int], now: float) -> tuple[
         return s.tokens_per_s, s.eta_s
     tokens_per_s = (s.generated_tokens - tokens0) / span
     rows_done = s.done - s.resumed_rows
-    if s.remaining is None or not s.requests or not rows_done:
+    if s.remaining is None or not s.requests:
         return tokens_per_s, None
-    rows_per_s = (s.requests - requests0) / span * min(1.0, rows_done / s.requests)
+    # Before the first row is out (a whole batch's rows come out with its last), a request per row.
+    rows_per_s = (s.requests - requests0) / span * (min(1.0, rows_done / s.requests) if rows_done else 1.0)
     return tokens_per_s, (s.remaining / rows_per_s if rows_per_s > 0 else None)
 
 

@@ -117,6 +117,12 @@ def test_chunk_and_reduce_calls_move_the_rate_and_the_eta_before_their_rows_are_
     m.attach(lambda: {"snapshots": [e.snapshot()]})
     m.refresh()  # the engines started, nothing generated yet
     assert m.state.tokens_per_s is None and m.state.eta_s is None
+    e.feeder.totals.finished_requests, e.feeder.totals.finished_output_tokens = 3, 48  # no row out yet
+    m.refresh()
+    m._history[0] = (time.time() - 10, 0, 0, 0)
+    m.refresh()
+    assert m.state.done == 0 and m.state.eta_s == pytest.approx(12 / 0.3, rel=0.05)  # a request per row
+    assert "0/12 rows (0%) · ok 0 · error 0 · 3 requests generated · 5 output tok/s" in summary_line(m.state)
     e.count(["ok"] * 8, ["le256"] * 8, 800, 128)
     e.feeder.totals.finished_requests, e.feeder.totals.finished_output_tokens = 8, 128
     m.refresh()
@@ -128,7 +134,7 @@ def test_chunk_and_reduce_calls_move_the_rate_and_the_eta_before_their_rows_are_
     assert m.state.tokens_per_s == pytest.approx(76.8, rel=0.05)
     # 4.8 requests/s, a row per 6 requests so far: 0.8 rows/s, 4 rows left
     assert m.state.eta_s == pytest.approx(4 / 0.8, rel=0.05)
-    assert "3 long documents in map-reduce · 77 output tok/s · ETA 5s" in summary_line(m.state)
+    assert "48 requests generated · 3 long documents in map-reduce · 77 output tok/s · ETA 5s" in summary_line(m.state)
     m.attach(lambda: {"snapshots": [e.snapshot()]})
     m.refresh()
     assert m.state.map_reduce == 0 and "map-reduce" not in summary_line(m.state)
