@@ -125,6 +125,29 @@ def check_local_model(path: Path) -> None:
             _check_safetensors(w, where)
 
 
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length")
+
+
+def check_context(path: str, max_model_len: int | None) -> None:
+    """`engine.max_model_len` within the positions the model at `path` (a local folder)
+    was built for, from its config.json: above them the engine refuses to start, and would
+    again on every restart. A model with rope scaling, or one without such a key (a hub
+    id, a .gguf file), is left to the engine to judge."""
+    config_file = Path(path) / "config.json"
+    if max_model_len is None or not config_file.is_file():
+        return
+    config = json.loads(config_file.read_bytes())
+    config = config.get("text_config", config)  # a multimodal model's language half
+    if config.get("rope_scaling"):
+        return
+    key = next((k for k in POSITION_KEYS if isinstance(config.get(k), int)), None)
+    if key is not None and max_model_len > config[key]:
+        raise ModelError(f"engine.max_model_len {max_model_len:,} is above the {config[key]:,} positions of the "
+                         f"model at {path} ({key} in its config.json): set engine.max_model_len to "
+                         f"{config[key]} or less (--set engine.max_model_len={config[key]}), or remove it "
+                         f"to use the model's own")
+
+
 def _json_object(path: Path, where: str) -> dict:
     try:
         value = json.loads(path.read_bytes())

@@ -65,9 +65,12 @@ def new_run_id() -> str:
 
 def resolve_model(config: RunConfig) -> str:
     """What the engine loads for `model.name`: your folder (checked, only ever read), the
-    tiny model in the cache (built there on first use), or a hub id (`pipeline.models.source`)."""
+    tiny model in the cache (built there on first use), or a hub id (`pipeline.models.source`);
+    `engine.max_model_len` checked against the model's positions."""
     model = config.profile.model
-    return model_source.resolve_model(model.name, model.tiny_model_seed).path
+    path = model_source.resolve_model(model.name, model.tiny_model_seed).path
+    model_source.check_context(path, config.profile.engine.max_model_len)
+    return path
 
 
 def job_inputs(config: RunConfig) -> Any:

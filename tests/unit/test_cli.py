@@ -1,4 +1,6 @@
+import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -76,6 +78,37 @@ def test_an_output_folder_of_foreign_files_exits_2_before_ray_and_keeps_every_by
     assert time.monotonic() - started < 30 and "Ray instance" not in r.stderr
     assert {str(p.relative_to(user)): p.read_bytes() for p in user.rglob("*") if p.is_file()} == files
     assert sorted(os.listdir(tmp_path)) == ["c.parquet", "user"]  # no lock, no staging left
+
+
+def test_a_context_above_the_models_positions_exits_2_before_ray_naming_both(tmp_path, tiny_model):
+    """The user's report: max_model_len 16384 on an 8,192-position model failed the engine's
+    start four times through Ray's restarts, then exit 1 with a traceback."""
+    from pipeline.models.source import check_context
+    from pipeline.tools.dev.corpus import write_corpus
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    config = json.loads((model / "config.json").read_text())
+    config["max_position_embeddings"] = 8192
+    (model / "config.json").write_text(json.dumps(config))
+    corpus = write_corpus(tmp_path / "c.parquet", rows=4, seed=0)
+    started = time.monotonic()
+    r = subprocess.run(
+        [sys.executable, "-m", "pipeline", "run", "jobs/nightly_summarize.yaml", "--profile", "conf/local.yaml",
+         "--input", str(corpus), "--output", str(tmp_path / "out"), "--set", f"model.name={model}",
+         "--set", "engine.max_model_len=16384"],
+        capture_output=True, text=True, cwd=REPO, timeout=120,
+    )
+    assert r.returncode == EXIT_BAD_CONFIG, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: engine.max_model_len 16,384 is above the 8,192 positions of the model at")
+    assert "--set engine.max_model_len=8192" in last
+    assert time.monotonic() - started < 30 and "Ray instance" not in r.stderr and not (tmp_path / "out").exists()
+    check_context(str(model), 8192)  # at the limit, or unset, it passes
+    check_context(str(model), None)
+    config["rope_scaling"] = {"rope_type": "linear", "factor": 4.0}  # scaled: the engine's to judge
+    (model / "config.json").write_text(json.dumps(config))
+    check_context(str(model), 16384)
 
 
 def test_the_profile_tune_wrote_loads_with_no_warning(tmp_path):
