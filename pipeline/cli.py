@@ -32,12 +32,16 @@ EXIT_FAILED = 1
 EXIT_ERROR_RATE = 3
 
 
-def _fail(code: int, message: str) -> None:
-    # Ray's workers log to this process as they go (a dying actor's last words among them):
-    # stop them first, so that the reason is the last line.
+def _stop_ray() -> None:
+    """Stop the Ray this process started, if any: its workers log to this process as they
+    go (a dying actor's last words among them), and nothing of theirs may follow ours."""
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
         ray.shutdown()
+
+
+def _fail(code: int, message: str) -> None:
+    _stop_ray()  # so that the reason is the last line
     # Plain echo, not rich: the reason must be the last line, unwrapped, for logs and scripts.
     click.echo(f"error: {message}", err=True)
     sys.exit(code)
@@ -99,7 +103,7 @@ def chatter_to_log(name: str, verbose: bool) -> Iterator[Any]:
     from pipeline.observe.runlog import Terminal, quiet_output
 
     if verbose:
-        yield Terminal(sys.stdout, sys.stderr, None)
+        yield Terminal(sys.stdout, sys.stderr)
         return
     folder = Path(os.environ["PIPELINE_LOG_DIR"]) if os.environ.get("PIPELINE_LOG_DIR") else cache_dir() / "logs"
     path = folder / f"{name}-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-{os.getpid()}.log"
@@ -108,9 +112,7 @@ def chatter_to_log(name: str, verbose: bool) -> Iterator[Any]:
         try:
             yield terminal
         finally:
-            ray = sys.modules.get("ray")
-            if ray is not None and ray.is_initialized():
-                ray.shutdown()
+            _stop_ray()
 
 
 def check_error_rate(report: dict[str, Any], limit: float | None) -> None:
@@ -350,18 +352,19 @@ def tune(job: Path, profile: Path, input_path: str | None, overrides: tuple[str,
     from pipeline.tools.tune.job import TuneRequest, tune_job
     from pipeline.tools.tune.outputs import choice_lines, sweep_table
 
-    def on_point(bucket: str, p: Any) -> None:
+    def on_point(live: Console, bucket: str, p: Any) -> None:
         what = "out of memory" if p.oom else (
             f"{p.throughput:,.0f} tok/s · P99 {p.p99_ms:,.0f} ms · pressure {p.peak_pressure:.2f} · "
             f"{p.repeats} windows, spread {p.spread:.0%}")
-        out.print(f"  {bucket} batch {p.batch:>4}: {what}")
+        live.print(f"  {bucket} batch {p.batch:>4}: {what}")
 
     with exit_codes():
         config = load_run_config(job, profile, overrides, input_path, None, date=date)
         with chatter_to_log(f"tune-{config.job.name}", verbose) as terminal:
-            out = Console(file=terminal.out)
+            live = Console(file=terminal.out)  # while the sweep runs; the log has the rest
             results, info = tune_job(config, TuneRequest(out_dir, sample, buckets, max_batch, slo),
-                                     on_point=on_point, on_stage=lambda msg: out.print(f"[dim]{msg}[/dim]"))
+                                     on_point=lambda bucket, p: on_point(live, bucket, p),
+                                     on_stage=lambda msg: live.print(f"[dim]{msg}[/dim]"))
     out = Console()
     meta = info["meta"]
     out.print(sweep_table(results, f"tune · {meta['job_file']} on {meta['profile_file']} · "

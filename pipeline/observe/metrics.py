@@ -139,12 +139,12 @@ class EngineMeter:
                      "output_tokens": getattr(totals, "finished_output_tokens", 0)}
         with self._lock:
             rows = [[s, b, n] for (s, b), n in self.rows.items()]
-            prompt, output = self.prompt_tokens, self.output_tokens
+            prompt, output, map_reduce = self.prompt_tokens, self.output_tokens, self.map_reduce
         return {
             "engine": self.engine, "incarnation": self.incarnation, "node": self.node, "at": time.time(),
             "rows": rows, "prompt_tokens": prompt, "output_tokens": output,
             # Every request the engine finished, chunk summaries and reduces too, as they finish:
-            "generated": generated, "map_reduce": self.map_reduce,
+            "generated": generated, "map_reduce": map_reduce,
             "kv_cache_usage": self._engine.kv_gauges()[0] if self._engine is not None else None,
             "busy_ratio": totals.busy_fraction() if totals is not None else None,
             "in_flight": dict(in_flight), "budget_rows": dict(self.budget_rows),

@@ -19,6 +19,7 @@ from pipeline.generation.tasks import CallKind
 from pipeline.observe.machine import versions
 from pipeline.storage.fs import write_bytes
 from pipeline.storage.output import REPORT_NAME
+from pipeline.text.quality import TRIES, add_annotation_counts, annotation_counts
 
 
 def median_of_counts(counts: dict[int, int]) -> float:
@@ -344,18 +345,11 @@ def annotations_section(annotations: Any, status: dict[str, int], calls: list[di
     valid at the first try, after the retry, and `invalid_output`; and per list column,
     the share of extracted values that occur in the row's text (`pipeline.text.quality`)."""
     kinds = Counter(c.get("kind") for c in calls)
-    tries = {"first_try": 0, "after_retry": 0, "invalid_output": 0}
-    found: dict[str, dict[str, int]] = {}
+    total = annotation_counts()
     for q in (quality or {}).values():
-        a = q.get("annotations")
-        if a is None:
-            continue
-        for k in tries:
-            tries[k] += a[k]
-        for column, f in a["found"].items():
-            g = found.setdefault(column, {"values": 0, "in_text": 0})
-            g["values"] += f["values"]
-            g["in_text"] += f["in_text"]
+        if "annotations" in q:
+            add_annotation_counts(total, q["annotations"])
+    tries, found = {k: total[k] for k in TRIES}, total["found"]
     annotated = sum(tries.values())
     return {
         "columns": [f"{f.name}: {f.type}" for f in annotations.fields()],

@@ -22,11 +22,10 @@ from typing import TextIO
 
 @dataclass(frozen=True)
 class Terminal:
-    """Where our own output goes while the run's chatter goes to `log`."""
+    """Where our own output goes while the run's chatter goes to the log."""
 
     out: TextIO
     err: TextIO
-    log: Path
 
 
 def _keep(stream: TextIO, fd: int) -> tuple[TextIO, bool]:
@@ -65,7 +64,7 @@ def quiet_output(path: Path) -> Iterator[Terminal]:
         logger.addHandler(kept)
         logger.propagate = False
         try:
-            yield Terminal(out, err, path)
+            yield Terminal(out, err)
         finally:
             logger.removeHandler(ours)
             logger.removeHandler(kept)

@@ -31,7 +31,8 @@ from ray.data.datasource.datasink import WriteResult
 
 from pipeline import schema
 from pipeline.storage.commits import commit_part
-from pipeline.text.quality import copies_opening, extracted_strings, found_in_text
+from pipeline.text.quality import (add_annotation_counts, annotation_counts, copies_opening, extracted_strings,
+                                   found_in_text)
 
 PART_PREFIX = "part-"
 
@@ -112,7 +113,7 @@ def _annotation_quality(table: pa.Table, texts: list[str | None], out: dict[str,
                                                table.column(schema.ANNOTATION_TRIES.name).to_pylist())):
         if b not in out or tries is None:
             continue
-        a = out[b].setdefault("annotations", {"first_try": 0, "after_retry": 0, "invalid_output": 0, "found": {}})
+        a = out[b].setdefault("annotations", annotation_counts())
         valid = status == schema.Status.OK
         a["first_try"] += valid and tries == 1
         a["after_retry"] += valid and tries == 2
@@ -201,13 +202,7 @@ def merge_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
                 m[k] += q[k]
             m["output_tokens"].update({int(n): c for n, c in q["output_tokens"].items()})
             if "annotations" in q:
-                a = m.setdefault("annotations", {"first_try": 0, "after_retry": 0, "invalid_output": 0, "found": {}})
-                for k in ("first_try", "after_retry", "invalid_output"):
-                    a[k] += q["annotations"][k]
-                for n, f in q["annotations"]["found"].items():
-                    g = a["found"].setdefault(n, {"values": 0, "in_text": 0})
-                    g["values"] += f["values"]
-                    g["in_text"] += f["in_text"]
+                add_annotation_counts(m.setdefault("annotations", annotation_counts()), q["annotations"])
         for r in part["call_records"]:
             records[r["call"]] = r
         # A call's rows may land in several blocks: widen its observed range.

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import math
 from difflib import SequenceMatcher
+from functools import lru_cache
+from typing import Any
 
 COPY_SHARE = 0.8
 
@@ -43,8 +45,34 @@ def copies_opening(output: str | None, document: str | None, share: float = COPY
 def found_in_text(values: list[str], text: str | None) -> int:
     """How many of `values` occur in `text`: case-insensitive, with whitespace `normalized`.
     An empty value is not found."""
-    haystack = normalized(text or "").casefold()
+    haystack = _searchable(text or "")
     return sum(bool(v) and normalized(v).casefold() in haystack for v in values)
+
+
+@lru_cache(maxsize=1)
+def _searchable(text: str) -> str:
+    """`text` as `found_in_text` searches it; kept for the next call, which asks about the
+    same row's next annotation column."""
+    return normalized(text).casefold()
+
+
+TRIES = ("first_try", "after_retry", "invalid_output")
+
+
+def annotation_counts() -> dict[str, Any]:
+    """Annotation counts at zero: rows by how their annotation ended (`TRIES`), and per
+    list column the values extracted and those `found_in_text` (`found`)."""
+    return {**dict.fromkeys(TRIES, 0), "found": {}}
+
+
+def add_annotation_counts(into: dict[str, Any], counts: dict[str, Any]) -> None:
+    """`counts` (from `annotation_counts`, or its JSON) added into `into`."""
+    for k in TRIES:
+        into[k] += counts[k]
+    for column, f in counts["found"].items():
+        g = into["found"].setdefault(column, {"values": 0, "in_text": 0})
+        g["values"] += f["values"]
+        g["in_text"] += f["in_text"]
 
 
 def extracted_strings(value: object) -> list[str]:
