@@ -222,7 +222,8 @@ class EngineFeeder:
         self._bucket: str | None = None  # the bucket whose rows the engine is running
         # Each policy step and preemption goes to the report once, with the call that ends next.
         self._trajectory_seen: dict[str, tuple[int, int]] = {}
-        self._preemptions_seen: int | None = None
+        # From the engine's count now: the first call's preemptions are its own, not lost.
+        self._preemptions_seen = self.preemptions()
         self._step_started: float | None = None  # while a step runs: when it began (the stall watchdog reads it)
 
     def preemptions(self) -> int:
@@ -451,7 +452,7 @@ class EngineFeeder:
         self._trajectory_seen[bucket] = (len(traj["steps"]), len(traj["backoffs"]))
         now = self.preemptions()
         # Clamped: a rebuilt engine starts its counter again from 0.
-        seen = now if self._preemptions_seen is None or self._preemptions_seen > now else self._preemptions_seen
+        seen = now if self._preemptions_seen > now else self._preemptions_seen
         self._preemptions_seen = now
         return traj["steps"][steps_from:], traj["backoffs"][backoffs_from:], now - seen
 

@@ -66,6 +66,32 @@ def test_oom_requeues_the_rows_in_flight_and_halves_the_budget():
     assert feeder.totals.oom_retries == len(out.record.backoffs) and len(engine.aborted) >= 16
 
 
+class PreemptingEngine(FakeEngine):
+    """vLLM's counter: one preemption per step in which more than `fits` rows run."""
+
+    def __init__(self, fits, **kw):
+        super().__init__(**kw)
+        self.fits, self.preempted = fits, 0
+
+    def step(self):
+        self.preempted += len(self.live) > self.fits
+        return super().step()
+
+    def kv_gauges(self):
+        return super().kv_gauges()[0], self.preempted
+
+
+def test_the_first_calls_preemptions_back_off_and_reach_its_record():
+    engine = PreemptingEngine(fits=8)
+    policy = BatchSizeController(ControllerSettings(), initial_budget_tokens=2000)  # 20 rows: too many
+    out = EngineFeeder(engine, policy).serve("le128", rows(40), SAMPLING)
+    assert sorted(out.completions) == list(range(40))
+    backoffs = policy.trajectory("le128")["backoffs"]
+    assert backoffs and {b["reason"] for b in backoffs} == {"preemption"}
+    # The engine's count since the feeder began, not from the first call's end.
+    assert out.record.preemptions == engine.preempted > 0
+
+
 def test_a_row_that_fails_alone_gets_an_error_and_the_rest_go_on():
     engine = FakeEngine(oom_when_in_flight=1)  # nothing fits, not even one row
     policy = BatchSizeController(ControllerSettings(), initial_budget_tokens=100)
