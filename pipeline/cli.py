@@ -193,31 +193,40 @@ def print_summary(report: dict[str, Any]) -> None:
 
 
 def print_examples(output: str, id_column: str, text_column: str, n: int, width: int = 240) -> None:
-    """`n` rows of the output, each document's opening beside its summary: the first ok
-    rows in id order, one per bucket first, so short and long documents both show."""
+    """`n` rows of the output, each document's (or passage's) opening beside its summary and,
+    where the job annotates, its title and keywords: the first ok rows in id order, one per
+    bucket first, so short and long documents both show."""
     import pyarrow.parquet as pq
 
-    columns = [id_column, text_column, "summary", "bucket", "status", "output_tokens"]
     try:
+        names = set(pq.ParquetDataset(output).schema.names)
+        passages = "passage" in names
+        text = "passage" if passages else text_column
+        columns = [id_column, text, "summary", "bucket", "status", "output_tokens",
+                   *(c for c in ("passage_index", "title", "keywords") if c in names)]
         rows = pq.read_table(output, columns=columns).to_pylist()
-    except (OSError, KeyError, ValueError) as e:  # a passages job has no text column; a store that went away
+    except (OSError, KeyError, ValueError) as e:  # a store that went away
         console.print(f"[yellow]no examples:[/yellow] {e}", soft_wrap=True, highlight=False)
         return
-    ok = sorted((r for r in rows if r["status"] == "ok"), key=lambda r: str(r[id_column]))
+    ok = sorted((r for r in rows if r["status"] == "ok"), key=lambda r: (str(r[id_column]), r.get("passage_index")))
     first_of_bucket = list({r["bucket"]: r for r in reversed(ok)}.values())[::-1]
     chosen = (first_of_bucket + [r for r in ok if r not in first_of_bucket])[:n]
 
-    def clip(text: str) -> str:
-        text = " ".join(text.split())
-        return text if len(text) <= width else text[: width - 1] + "…"
+    def clip(value: str) -> str:
+        value = " ".join(value.split())
+        return value if len(value) <= width else value[: width - 1] + "…"
 
     out = Console()
     for r in chosen:
-        out.print(f"\n[bold]{r[id_column]}[/bold] ({r['bucket']}, {len(r[text_column]):,} characters)",
-                  highlight=False)
-        out.print(f"  document: {clip(r[text_column])}", highlight=False, soft_wrap=True)
+        name = f"{r[id_column]} passage {r['passage_index']}" if passages else str(r[id_column])
+        out.print(f"\n[bold]{name}[/bold] ({r['bucket']}, {len(r[text]):,} characters)", highlight=False)
+        out.print(f"  {'passage' if passages else 'document'}: {clip(r[text])}", highlight=False, soft_wrap=True)
         out.print(f"  summary:  {clip(r['summary'])}  [dim]({r['output_tokens']} tokens)[/dim]",
                   highlight=False, soft_wrap=True)
+        if r.get("title") is not None:
+            out.print(f"  title:    {clip(r['title'])}", highlight=False, soft_wrap=True)
+        if r.get("keywords"):
+            out.print(f"  keywords: {clip(', '.join(r['keywords']))}", highlight=False, soft_wrap=True)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -71,6 +71,8 @@ PASSAGE_FIELDS: tuple[pa.Field, ...] = (
 # With `annotations:` in the job, the schema's columns follow `summary`, then this one.
 RAW_OUTPUT = pa.field("raw_output", pa.string())  # the model's text when it did not validate
 ANNOTATION_TRIES = pa.field("annotation_tries", pa.int8())  # 1, or 2 after the retry; null: no annotation call
+# Why the summary's own call stopped: `finish_reason` is the row's last call's, the annotation's.
+SUMMARY_FINISH = pa.field("summary_finish_reason", pa.string())
 
 # Working columns that travel between stages and never reach the output. The
 # leading underscore marks them; `output_schema` refuses input columns that use it.
@@ -97,7 +99,7 @@ def output_schema(input_schema: pa.Schema, id_column: str, text_column: str, pas
         raise KeyError(f"id column {id_column!r} is not in the input ({input_schema.names})")
     generated = list(GENERATED_FIELDS)
     if annotation_fields:
-        generated[1:1] = [*annotation_fields, RAW_OUTPUT, ANNOTATION_TRIES]
+        generated[1:1] = [*annotation_fields, RAW_OUTPUT, ANNOTATION_TRIES, SUMMARY_FINISH]
     added = [f.name for f in generated] + ([f.name for f in PASSAGE_FIELDS] if passages else [])
     clash = [n for n in input_schema.names if n in added or n.startswith(INTERNAL_PREFIX)]
     if clash:

@@ -177,17 +177,21 @@ class RowOutcomes:
     values: list[dict[str, Any] | None] | None  # the annotations, parsed (None: the job does not annotate)
     raw: list[str | None] | None
     tries: list[int | None] | None  # annotation calls: 1, or 2 after the retry
+    summary_finish: list[str | None] | None  # the summary call's finish reason, where annotations follow
 
     @classmethod
     def of(cls, batch: pa.Table, annotating: bool) -> RowOutcomes:
         n = batch.num_rows
+        annotation = (lambda: [None] * n) if annotating else (lambda: None)
         return cls(batch.column("status").to_pylist(), batch.column("error").to_pylist(), [None] * n, [0] * n,
-                   [None] * n, [None] * n, [None] * n, [None] * n if annotating else None,
-                   [None] * n if annotating else None, [None] * n if annotating else None)
+                   [None] * n, [None] * n, [None] * n, values=annotation(), raw=annotation(), tries=annotation(),
+                   summary_finish=annotation())
 
     def completed(self, i: int, c: Completion) -> None:
         """A summary: ok, an error, or empty (only whitespace)."""
         self.latency[i], self.output_tokens[i], self.finish[i] = c.latency_s, c.output_tokens, c.finish_reason
+        if self.summary_finish is not None:
+            self.summary_finish[i] = c.finish_reason
         if c.error is not None:
             self.status[i], self.error[i] = Status.ERROR.value, c.error
             return
@@ -218,7 +222,8 @@ class RowOutcomes:
         annotations = {}
         if self.values is not None and parser is not None:
             annotations = {**parser.columns(self.values, prefix), schema.RAW_OUTPUT.name: pa.array(self.raw, pa.string()),
-                           schema.ANNOTATION_TRIES.name: pa.array(self.tries, pa.int8())}
+                           schema.ANNOTATION_TRIES.name: pa.array(self.tries, pa.int8()),
+                           schema.SUMMARY_FINISH.name: pa.array(self.summary_finish, pa.string())}
         return {"summary": pa.array(self.summary, pa.string()), **annotations,
                 "output_tokens": pa.array(self.output_tokens, pa.int32()),
                 "finish_reason": pa.array(self.finish, pa.string()),

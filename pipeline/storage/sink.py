@@ -82,12 +82,17 @@ def _quality(table: pa.Table, text_column: str) -> dict[str, dict[str, Any]]:
     came out empty, or copy their document's opening (`pipeline.text.quality`), and their
     output tokens as counts per length (bounded by max_new_tokens, as prompt lengths are)."""
     texts = table.column(text_column).to_pylist() if text_column in table.column_names else [None] * table.num_rows
+    finished = table.column("finish_reason").to_pylist()
+    # Cut at the limit is the summary's (sampling.max_new_tokens); an annotation cut off
+    # fails to validate and is counted as invalid_output.
+    summary_finish = (table.column(schema.SUMMARY_FINISH.name).to_pylist()
+                      if schema.SUMMARY_FINISH.name in table.column_names else finished)
     out: dict[str, dict[str, Any]] = {}
-    for b, finish, status, tokens, summary, text in zip(
-            table.column("bucket").to_pylist(), table.column("finish_reason").to_pylist(),
+    for b, last, finish, status, tokens, summary, text in zip(
+            table.column("bucket").to_pylist(), finished, summary_finish,
             table.column("status").to_pylist(), table.column("output_tokens").to_pylist(),
             table.column("summary").to_pylist(), texts):
-        if b is None or finish is None:
+        if b is None or last is None:
             continue
         q = out.setdefault(b, {"rows": 0, "cut_at_limit": 0, "empty_output": 0, "copies_opening": 0,
                                "output_tokens": Counter()})

@@ -51,6 +51,16 @@ def test_annotations_are_typed_columns_after_one_retry(tiny_model):
     assert all(r["finish_reason"] == "stop" for r in rows)
 
 
+def test_an_annotated_row_keeps_its_summarys_own_finish_reason(tiny_model):
+    # The summary is cut at 3 tokens; the annotation after it stops on its own.
+    engine = FakeEngine(reply=lambda ids, s: "a summary" if s.json_schema is None else '{"title": "Paris"}')
+    prepare, generate = stages(tiny_model, "jobs/kb_ingest.yaml", ["sampling.max_new_tokens=3"], engine)
+    out = generate(prepare(CORPUS))
+    assert out.schema.names.index(schema.SUMMARY_FINISH.name) == out.schema.names.index("annotation_tries") + 1
+    assert out.column(schema.SUMMARY_FINISH.name).to_pylist() == ["length"] * out.num_rows
+    assert out.column("finish_reason").to_pylist() == ["stop"] * out.num_rows
+
+
 def test_finish_reason_says_whether_the_limit_cut_the_summary(tiny_model):
     for limit, reason in ((3, "length"), (16, "stop")):
         prepare, generate = stages(tiny_model, "jobs/nightly_summarize.yaml", [f"sampling.max_new_tokens={limit}"],

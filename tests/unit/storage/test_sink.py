@@ -163,11 +163,14 @@ def test_annotation_tries_and_values_found_in_the_text_are_counted_and_merged():
         "title": pa.array(["t", "t", None, None]),  # not a list: nothing to look for
         "raw_output": pa.array([None, None, "{", None], pa.string()),
         "annotation_tries": pa.array([1, 2, 2, None], pa.int8()),  # d failed before its annotation call
+        # a and b's summaries ran to sampling.max_new_tokens; c's annotation was cut instead
+        "summary_finish_reason": pa.array(["length", "length", "stop", None], pa.string()),
     }
     t = base
     for k, (name, values) in enumerate(columns.items()):
         t = t.add_column(at + k, name, values)
     stats = _block_stats(t)
+    assert stats["quality"]["le128"]["cut_at_limit"] == 2  # the summaries', not the row's last call's
     assert stats["quality"]["le128"]["annotations"] == {
         "first_try": 1, "after_retry": 1, "invalid_output": 1,
         "found": {"keywords": {"values": 3, "in_text": 2}, "entities": {"values": 2, "in_text": 1}}}
