@@ -21,6 +21,7 @@ from pipeline.config import ConfigError, load_run_config
 from pipeline.storage.inputs import InputError
 from pipeline.storage.ownership import NotOurs
 from pipeline.schema import FAILED_STATUSES
+from pipeline.tools.dev.corpus import KINDS
 
 console = Console(stderr=True)
 
@@ -221,8 +222,8 @@ def print_examples(output: str, id_column: str, text_column: str, n: int, width:
         name = f"{r[id_column]} passage {r['passage_index']}" if passages else str(r[id_column])
         out.print(f"\n[bold]{name}[/bold] ({r['bucket']}, {len(r[text]):,} characters)", highlight=False)
         out.print(f"  {'passage' if passages else 'document'}: {clip(r[text])}", highlight=False, soft_wrap=True)
-        out.print(f"  summary:  {clip(r['summary'])}  [dim]({r['output_tokens']} tokens)[/dim]",
-                  highlight=False, soft_wrap=True)
+        tokens = f"{r['output_tokens']} tokens" + (", the annotation's included" if "title" in r else "")
+        out.print(f"  summary:  {clip(r['summary'])}  [dim]({tokens})[/dim]", highlight=False, soft_wrap=True)
         if r.get("title") is not None:
             out.print(f"  title:    {clip(r['title'])}", highlight=False, soft_wrap=True)
         if r.get("keywords"):
@@ -451,14 +452,15 @@ def real_model(out: Path, name: str) -> None:
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--rows", type=click.IntRange(1), default=None,
               help="Rows to write: synthetic, default 1000; python-docs, default all 79 topics (fewer are spread "
-                   "over their lengths).")
+                   "over their lengths); python-paragraphs, default all 489 (fewer are evenly spaced).")
 @click.option("--seed", default=0, show_default=True, help="Same seed, same file (synthetic).")
-@click.option("--kind", type=click.Choice(["synthetic", "python-docs"]), default="synthetic", show_default=True,
+@click.option("--kind", type=click.Choice(KINDS), default="synthetic", show_default=True,
               help="synthetic: made-up prose, log-normal lengths; python-docs: the Python reference manual's "
-                   "79 topics, real text that ships with Python.")
+                   "79 topics, real text that ships with Python; python-paragraphs: its prose paragraphs "
+                   "of 250-600 characters.")
 def sample_corpus(out: Path, rows: int | None, seed: int, kind: str) -> None:
     """Write a Parquet corpus to OUT: synthetic (log-normal lengths, ~1% outliers 10-50x
-    longer) or real text (--kind python-docs).
+    longer) or real text (--kind python-docs, python-paragraphs).
 
     Columns: id, text, and source (a passthrough column). An existing OUT is replaced
     only if it is a sample corpus this command wrote; anything else is refused (exit 2).

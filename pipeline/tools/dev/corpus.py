@@ -3,7 +3,10 @@
   10-50x the median) and a passthrough `source` column;
 - python-docs: real English text that ships with Python, the reference manual's topics
   (`pydoc_data.topics`: 79 documents, median 1.7k characters, up to 62k, so they fill
-  several buckets and a few pass a small model's context)."""
+  several buckets and a few pass a small model's context);
+- python-paragraphs: the same manual's prose paragraphs of 250-600 characters (about 100
+  prompt tokens each, 489 of them): short real rows whose outputs, not their prompts,
+  fill the KV cache, as in the preemption drill of docs/batching.md."""
 
 from __future__ import annotations
 
@@ -52,7 +55,24 @@ def python_docs_corpus(rows: int | None = None) -> pa.Table:
     })
 
 
-KINDS = ("synthetic", "python-docs")
+def python_paragraphs_corpus(rows: int | None = None) -> pa.Table:
+    """The manual's prose paragraphs of 250-600 characters (whitespace runs as one space,
+    doctest examples left out), in topic order; `rows` of them (all if None), evenly spaced."""
+    from pydoc_data.topics import topics
+
+    paragraphs = [(f"pydoc-{name}-{k}", p) for name in sorted(topics)
+                  for k, p in enumerate(" ".join(p.split()) for p in topics[name].split("\n\n"))
+                  if 250 <= len(p) <= 600 and not p.startswith(">>>")]
+    if rows is not None and rows < len(paragraphs):
+        paragraphs = paragraphs[:: len(paragraphs) // rows][:rows]
+    return pa.table({
+        "id": pa.array([i for i, _ in paragraphs], pa.string()),
+        "text": pa.array([p for _, p in paragraphs], pa.string()),
+        "source": pa.array(["paragraph of the Python reference manual"] * len(paragraphs), pa.string()),
+    })
+
+
+KINDS = ("synthetic", "python-docs", "python-paragraphs")
 
 
 def _is_sample_corpus(path: Path) -> bool:
@@ -70,10 +90,11 @@ SAMPLE_CORPUS = OwnedFile("a sample corpus written by `pipeline dev sample-corpu
 
 def write_corpus(out: Path, rows: int | None, seed: int = 0, kind: str = "synthetic") -> Path:
     """Write the corpus to `out` (a .parquet file) and return its path: `rows` synthetic
-    rows, or (`kind="python-docs"`) `rows` of the Python manual's topics (`seed` unused).
+    rows, or `rows` of the Python manual's topics (`kind="python-docs"`) or paragraphs
+    (`"python-paragraphs"`; `seed` unused for both).
     An existing file is replaced only if it is a corpus written here (`NotOurs` otherwise)."""
-    if kind == "python-docs":
-        table = python_docs_corpus(rows)
+    if kind in ("python-docs", "python-paragraphs"):
+        table = (python_docs_corpus if kind == "python-docs" else python_paragraphs_corpus)(rows)
         mark = {"written_by": MARK, "kind": kind, "rows": table.num_rows}
     else:
         table = make_corpus(rows, seed)

@@ -99,3 +99,19 @@ def test_the_python_docs_corpus_is_real_text_of_many_lengths(tmp_path):
     # Its own file is replaced; the mark says what it is.
     r = CliRunner().invoke(main, ["dev", "sample-corpus", str(out), "--kind", "python-docs"])
     assert r.exit_code == 0 and pq.read_metadata(out).num_rows == 79
+
+
+def test_the_python_paragraphs_are_short_real_rows(tmp_path):
+    from click.testing import CliRunner
+
+    from pipeline.cli import main
+    from pipeline.tools.dev.corpus import python_paragraphs_corpus
+
+    every = python_paragraphs_corpus()
+    lengths = [len(t) for t in every.column("text").to_pylist()]
+    assert every.num_rows > 400 and min(lengths) >= 250 and max(lengths) <= 600
+    assert len(set(every.column("id").to_pylist())) == every.num_rows
+    out = tmp_path / "paragraphs.parquet"
+    r = CliRunner().invoke(main, ["dev", "sample-corpus", str(out), "--kind", "python-paragraphs", "--rows", "48"])
+    assert r.exit_code == 0 and "48 rows" in r.output
+    assert pq.read_table(out).select(["id", "text", "source"]).equals(python_paragraphs_corpus(48))
