@@ -159,9 +159,11 @@ def print_summary(report: dict[str, Any]) -> None:
     out = Console()
     out.print(summary_table(report))
     tokens = report["tokens"]
+    generated = tokens.get("generated", tokens["output"])
     out.print(
-        f"tokens in {tokens['prompt']:,} · out {tokens['output']:,} · "
-        f"wall {report['wall_s']:.1f} s · {report['output_tokens_per_s']:,.1f} output tokens/s"
+        f"tokens in {tokens['prompt']:,} · out {tokens['output']:,}"
+        + (f" (generated {generated:,}, chunk summaries included)" if generated > tokens["output"] else "")
+        + f" · wall {report['wall_s']:.1f} s · {report['output_tokens_per_s']:,.1f} output tokens/s"
     )
     if report.get("engine_s"):
         out.print(

@@ -46,7 +46,7 @@ def summary_line(state: RunState) -> str:
     other = {k: v for k, v in statuses.items() if k not in ("ok", "error")}
     parts += [f"{k} {v:,}" for k, v in sorted(other.items())]
     if state.ended_at is None and state.requests > state.done - state.resumed_rows:  # their batch not out yet
-        parts.append(f"{state.requests:,} requests generated")
+        parts.append(f"{state.requests:,} request{'s' if state.requests != 1 else ''} generated")
     if state.map_reduce:
         parts.append(f"{state.map_reduce:,} long document{'s' if state.map_reduce != 1 else ''} in map-reduce")
     if state.tokens_per_s is not None:

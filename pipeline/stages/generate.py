@@ -268,6 +268,7 @@ class GenerateStage:
             self.sampling.with_room(self.annotations.max_new_tokens, self.annotations.json_schema),
             self.parser.parse, self.annotations.retry_max_new_tokens)
         self.placement = where_am_i()
+        self._pids = {os.getpid()}
         self.ready_at = round(time.time(), 3)
         self.meter = self._meter(settings.pool_gate)
         # Wait for the other engines, and for the driver's checks (None: go ahead).
@@ -300,7 +301,20 @@ class GenerateStage:
             "kv_cache_tokens": self.engine.kv_cache_tokens,
             "max_model_len": self.engine.max_model_len,
             "max_num_seqs": self.engine.max_num_seqs,
+            "pids": self.engine_pids(),
         }
+
+    def engine_pids(self) -> list[int]:
+        """This actor's process and every one under it (vLLM's engine core and its workers),
+        each one seen since the actor began, rebuilt engines' too: the report lists them, so
+        that whoever ran the job can check that none outlives it."""
+        import psutil
+
+        try:
+            self._pids.update(p.pid for p in psutil.Process().children(recursive=True))
+        except psutil.Error:  # a child that ended while being listed: the next call sees the rest
+            pass
+        return sorted(self._pids)
 
     def actor_totals(self) -> dict[str, Any]:
         t = self.feeder.totals

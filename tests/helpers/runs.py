@@ -38,19 +38,46 @@ class JobRun:
     written: pa.Table
     profile: Path = REPO / "conf/local.yaml"
     sets: tuple[str, ...] = ()  # the run's --set arguments, to repeat it
+    engines_left: list[int] | None = None  # engine processes alive ENGINE_GRACE_S after the CLI exited
 
 
 def run_cli(job: Path, profile: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    result = subprocess.run(
         [sys.executable, "-m", "pipeline", "run", str(job), "--profile", str(profile), *args],
         capture_output=True, text=True, cwd=REPO, timeout=600,
     )
+    result.ended_at = time.monotonic()  # type: ignore[attr-defined]
+    return result
+
+
+ENGINE_GRACE_S = 5.0
 
 
 def read_run(output: Path, corpus_path: Path, result: subprocess.CompletedProcess) -> JobRun:
+    """The run's output and report, and which of its engine processes outlived the CLI."""
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((output / "_report.json").read_text())
-    return JobRun(pq.read_table(corpus_path), output, result, report, pq.read_table(output))
+    return JobRun(pq.read_table(corpus_path), output, result, report, pq.read_table(output),
+                  engines_left=engines_left(report, getattr(result, "ended_at", time.monotonic())))
+
+
+def engines_left(report: dict, ended_at: float, grace_s: float = ENGINE_GRACE_S) -> list[int]:
+    """Of the engine processes the report records (each actor's, its engine core's and
+    workers'), those still alive `grace_s` after the CLI exited at `ended_at`: found by
+    pid, not by name. Returns as soon as none is left."""
+    pids = {pid for e in report["engine"]["engines"] for pid in e["pids"]}
+
+    def alive(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    while True:
+        left = sorted(p for p in pids if alive(p))
+        if not left or time.monotonic() >= ended_at + grace_s:
+            return left
+        time.sleep(0.1)
 
 
 def run_processes(driver: psutil.Process, ray_tmp: str) -> list[psutil.Process]:

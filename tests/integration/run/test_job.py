@@ -9,6 +9,7 @@ import pytest
 from pipeline import schema
 from pipeline.text.bucketing import LengthBucketer
 from pipeline.text.quality import copies_opening
+from tests.helpers.runs import ENGINE_GRACE_S
 from tests.integration.conftest import MAX_NEW_TOKENS, ROWS
 
 
@@ -70,6 +71,16 @@ def test_two_engines_share_the_largest_bucket(job_run):
         assert a["output_tokens"] > 0 and a["package_path"].endswith("pipeline")
 
 
+def test_no_engine_process_outlives_the_run(job_run):
+    """Every process of both engines (each actor, its vLLM engine core and workers), by the
+    pids the report records, is gone within 5 s of the CLI's exit."""
+    engines = job_run.report["engine"]["engines"]
+    assert len(engines) == 2
+    for e in engines:
+        assert len(e["pids"]) >= 2  # the actor's process and at least vLLM's engine core
+    assert job_run.engines_left == [], f"engine processes alive {ENGINE_GRACE_S:.0f} s after the CLI exited"
+
+
 def test_generation_starts_while_input_is_still_read(job_run):
     """No barrier: the first part is committed to staging before the last input row is
     tokenized (the shared run's input arrives slowly, see conftest)."""
@@ -85,6 +96,7 @@ def test_report_agrees_with_the_output_files(job_run):
     assert report["status"] == dict(Counter(r["status"] for r in rows))
     assert report["tokens"]["prompt"] == sum(r["prompt_tokens"] for r in rows)
     assert report["tokens"]["output"] == sum(r["output_tokens"] for r in rows)
+    assert report["tokens"]["generated"] == report["tokens"]["output"]  # no map-reduce here: a request per row
     assert report["output_tokens_per_s"] == pytest.approx(report["tokens"]["output"] / report["wall_s"], rel=1e-3)
     by_bucket: dict[str, list[int]] = {}
     for r in rows:

@@ -146,3 +146,8 @@ def test_chunk_policy_summarizes_long_documents_map_reduce(tmp_path, tiny_model)
         assert (r["chunks"] is None) == (r["original_tokens"] is None)
         assert r["chunks"] is None or r["original_tokens"] > cap
         assert r["chunks"] is not None or r["prompt_tokens"] <= cap
+    # Every chunk summary and reduce is generated and counted, beyond the rows' own tokens.
+    levels = [c for c in report["engine_calls"] if c["kind"].startswith("chunk-level-")]
+    assert {c["kind"] for c in levels} >= {"chunk-level-1", "chunk-level-2"}
+    assert report["tokens"]["generated"] == sum(c["output_tokens"] for c in report["engine_calls"])
+    assert report["tokens"]["generated"] > report["tokens"]["output"]

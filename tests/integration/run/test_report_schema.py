@@ -30,7 +30,7 @@ ACTOR = {"actor": str, "host": str, "node": str, "pid": int, "package_path": str
          "idle_s": NUM, "busy_s": NUM, "step_s": NUM, "active_s": NUM, "busy_fraction": (float, type(None)),
          "windows": int, "oom_retries": int, "bisections": int, "rebuilds": list, "learned": dict}
 ENGINE = {"actor": str, "startup_s": NUM, "startup_attempts": list, "kv_cache_tokens": (int, type(None)),
-          "max_model_len": int, "max_num_seqs": int}
+          "max_model_len": int, "max_num_seqs": int, "pids": list}
 STEP = {"t", "budget", "rows", "pressure", "throughput", "action", "reason", "actor"}
 
 
@@ -60,7 +60,7 @@ def test_report_keys_and_types_are_pinned(job_run):
         check(a, ACTOR, "engine.actors[]")
     for e in r["engine"]["engines"]:
         check(e, ENGINE, "engine.engines[]")
-    assert set(r["tokens"]) == {"prompt", "output"}
+    assert set(r["tokens"]) == {"prompt", "output", "generated"}
     assert set(r["publish"]) == {"replaces_run", "replaces_files", "backup", "mode"}
     assert set(r["input_files"]) == {"format", "read", "skipped"}
     assert set(r["length"]) == {"policy", "max_input_tokens", "keep", "outlier_percentile", "chunk_overlap",
