@@ -170,6 +170,9 @@ def print_summary(report: dict[str, Any]) -> None:
             f"engine busy {report['engine_s']:.1f} s in {report['engine']['calls']} calls · "
             f"{report['engine_output_tokens_per_s']:,.1f} output tokens/s while generating"
         )
+    merged = report.get("batching", {}).get("merge_identical_prompts", {}).get("merged_rows")
+    if merged:
+        out.print(f"{merged:,} rows with another row's prompt: generated once, the result given to each")
     if report.get("annotations"):
         a = report["annotations"]
         t = a.get("tries") or {}

@@ -440,6 +440,11 @@ class BatchingConfig(_Section):
         "hardware, max_model_len and dtype; none: do not persist.",
     )
     learned_max_age_days: float = Field(30.0, gt=0, description="Older learned limits are ignored.")
+    merge_identical_prompts: bool = Field(
+        True,
+        description="Generate once for rows whose prompt token ids and sampling agree (greedy, or seeded "
+        "sampling), and give each of them the result: per engine actor, over its last 16,384 distinct prompts.",
+    )
 
     def describe_policy(self) -> dict[str, Any]:
         """The policy as the report has always shown it: policy, memory_target, rows_per_call, tuned_rows."""

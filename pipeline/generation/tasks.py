@@ -24,6 +24,7 @@ from typing import Any
 
 from pipeline.generation.engine import Completion, Sampling
 from pipeline.generation.feeder import CallRecord, EngineFeeder
+from pipeline.generation.merge import IdenticalPrompts
 
 MAX_REDUCE_LEVELS = 8
 
@@ -64,9 +65,11 @@ class EngineCalls:
     several threads at once). `batch()` gives one batch its own log of the calls it made."""
 
     def __init__(self, feeder: EngineFeeder, actor: str, totals: Callable[[], dict[str, Any]],
-                 engine_info: Callable[[], dict[str, Any]]):
+                 engine_info: Callable[[], dict[str, Any]], merge: IdenticalPrompts | None = None):
         self.feeder, self.actor = feeder, actor
         self.totals, self.engine_info = totals, engine_info
+        self.merge = merge  # identical prompts generated once (None: every item its own request)
+        self.merged: dict[str, int] = {}  # by call kind: items served by another item's request
         self.count = 0
         self._numbering = threading.Lock()
 
@@ -75,13 +78,26 @@ class EngineCalls:
 
     def serve(self, bucket: str, items: list[tuple[int, list[int]]], sampling: Sampling,
               kind: str) -> tuple[EngineCall, dict[int, Completion]]:
-        served = self.feeder.serve(bucket, items, sampling)
+        if self.merge is None:
+            served = self.feeder.serve(bucket, items, sampling)
+            completions = served.completions
+        else:
+            plan = self.merge.plan(items, sampling)
+            if plan.merged:
+                with self._numbering:
+                    self.merged[kind] = self.merged.get(kind, 0) + plan.merged
+            try:
+                served = self.feeder.serve(bucket, plan.fresh, sampling)
+            except BaseException as e:
+                self.merge.finish(plan, e)  # raises e, in the calls waiting on these too
+                raise
+            completions = self.merge.finish(plan, served.completions)
         with self._numbering:
             number = self.count
             self.count += 1
             call = EngineCall(f"{self.actor}-{number:05d}", kind, served.record, self.totals(),
                               self.engine_info() if number == 0 else None)
-        return call, served.completions
+        return call, completions
 
 
 class BatchCalls:

@@ -288,7 +288,7 @@ def build_report(ctx: RunContext, engine_settings: dict[str, Any]) -> RunReport:
         output_tokens_per_s=round(written["output_tokens"] / wall_s, 2) if wall_s > 0 else None,
         **engine_time(actors),
         fill=_weighted([(c.get("fill"), c.get("busy_s", 0.0)) for c in calls]),
-        batching=batching_section(ctx, calls),
+        batching=batching_section(ctx, calls, actors),
         engine={"settings": engine_settings, "engines": engines, "actors": actors, "calls": len(calls),
                 "pool": pool_summary(calls, actors, {b: sum(c.values()) for b, c in
                                                      written["prompt_tokens_by_bucket"].items()})},
@@ -331,7 +331,7 @@ def engine_time(actors: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def batching_section(ctx: RunContext, calls: list[dict[str, Any]]) -> dict[str, Any]:
+def batching_section(ctx: RunContext, calls: list[dict[str, Any]], actors: list[dict[str, Any]]) -> dict[str, Any]:
     profile = ctx.config.profile
     learned = {"path": profile.batching.learned_limits, "key": ctx.limits_key, "started_from": ctx.start_limits,
                **ctx.learned}
@@ -341,6 +341,11 @@ def batching_section(ctx: RunContext, calls: list[dict[str, Any]]) -> dict[str, 
         "backoffs": sum(len(c.get("backoffs", [])) for c in calls),
         "per_bucket": bucket_batching(calls, ctx.bucket_order),
         "learned_limits": learned,
+        # Rows whose prompt and sampling matched another's, given its result (pipeline/generation/merge.py).
+        "merge_identical_prompts": {
+            "enabled": profile.batching.merge_identical_prompts,
+            "merged_rows": sum(a.get("merged", {}).get(CallKind.ROWS, 0) for a in actors),
+            "merged_requests": sum(sum(a.get("merged", {}).values()) for a in actors)},
     }
 
 

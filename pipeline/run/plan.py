@@ -142,6 +142,7 @@ def generate_settings(config: RunConfig, prepare: PrepareSettings, run_id: str,
         memory_target=batching.memory_target,
         feed=profile.feed(),
         grouping=profile.bucketing.grouping,
+        merge_identical_prompts=batching.merge_identical_prompts,
         annotations=None if annotations is None else AnnotationSettings(
             annotations.json_schema, annotations.max_new_tokens, annotations.retry_max_new_tokens,
             annotations.column_prefix),

@@ -53,6 +53,7 @@ from pipeline.config import AdaptivePolicy, FixedPolicy, TunedPolicy
 from pipeline.config.models import BatchPolicyConfig
 from pipeline.generation.engine import Completion, Engine, EngineCrashed, Sampling
 from pipeline.generation.feeder import EngineFeeder, FaultInjector
+from pipeline.generation.merge import IdenticalPrompts
 from pipeline.generation.policy import (BatchPolicy, BatchSizeController, ControllerSettings, FixedBatchPolicy,
                                         static_batch_settings)
 from pipeline.generation.tasks import (Annotation, AnnotationTask, BatchCalls, ChunkText, EngineCalls, annotate,
@@ -103,6 +104,7 @@ class GenerateSettings:
     memory_target: float = 0.90
     feed: str = "continuous"
     grouping: str = "global"
+    merge_identical_prompts: bool = True
     annotations: AnnotationSettings | None = None
     chunk_overlap: int = 64
     inject_oom_at_batch: int | None = None
@@ -258,7 +260,8 @@ class GenerateStage:
         self.policy = make_policy(settings, self.engine, learned)
         self.feeder = EngineFeeder(self.engine, self.policy, feed=settings.feed,
                                    faults=FaultInjector(settings.inject_oom_at_batch, settings.inject_oom_kind))
-        self.calls = EngineCalls(self.feeder, self.actor, self.actor_totals, self.engine_info)
+        self.calls = EngineCalls(self.feeder, self.actor, self.actor_totals, self.engine_info,
+                                 IdenticalPrompts() if settings.merge_identical_prompts else None)
         self.sampling = settings.sampling
         self.prep: PrepareStage | None = None  # tokenizer for map-reduce prompts, loaded on first need
         self._prep_lock = threading.Lock()
@@ -301,13 +304,12 @@ class GenerateStage:
             "kv_cache_tokens": self.engine.kv_cache_tokens,
             "max_model_len": self.engine.max_model_len,
             "max_num_seqs": self.engine.max_num_seqs,
-            "pids": self.engine_pids(),
         }
 
     def engine_pids(self) -> list[int]:
         """This actor's process and every one under it (vLLM's engine core and its workers),
-        each one seen since the actor began, rebuilt engines' too: the report lists them, so
-        that whoever ran the job can check that none outlives it."""
+        each one seen since the actor began, rebuilt engines' too (read after every call):
+        the report lists them, so that whoever ran the job can check that none outlives it."""
         import psutil
 
         try:
@@ -335,6 +337,8 @@ class GenerateStage:
             "oom_retries": t.oom_retries,
             "bisections": t.bisections,
             "rebuilds": self.engine.rebuilds,
+            "merged": dict(self.calls.merged),  # by call kind: items another's request served
+            "pids": self.engine_pids(),
             "learned": self.policy.learned_limits(),
             # Padding by the bucket of each batch: the feeder's record (it knows the buckets).
             **({"padding": t.padding.to_json()} if self.engine.pads_batches else {}),

@@ -65,7 +65,7 @@ def engines_left(report: dict, ended_at: float, grace_s: float = ENGINE_GRACE_S)
     """Of the engine processes the report records (each actor's, its engine core's and
     workers'), those still alive `grace_s` after the CLI exited at `ended_at`: found by
     pid, not by name. Returns as soon as none is left."""
-    pids = {pid for e in report["engine"]["engines"] for pid in e["pids"]}
+    pids = {pid for a in report["engine"]["actors"] for pid in a["pids"]}
 
     def alive(pid: int) -> bool:
         try:

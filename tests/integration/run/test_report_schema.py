@@ -18,7 +18,8 @@ TOP = {
     "incidents": list, "warnings": list,
 }
 BATCHING = {"policy": str, "feed": str, "memory_target": (float, type(None)), "rows_per_call": (int, type(None)),
-            "tuned_rows": (dict, type(None)), "backoffs": int, "per_bucket": dict, "learned_limits": dict}
+            "tuned_rows": (dict, type(None)), "backoffs": int, "per_bucket": dict, "learned_limits": dict,
+            "merge_identical_prompts": dict}
 PER_BUCKET = {"calls": int, "trajectory": list, "backoffs": list, "peak_pressure": NUM, "preemptions": int,
               "busy_fraction": (float, type(None)), "fill": (float, type(None))}
 CALL = {"call": str, "kind": str, "bucket": str, "buckets": list, "rows": int, "rows_written": int,
@@ -28,9 +29,10 @@ CALL = {"call": str, "kind": str, "bucket": str, "buckets": list, "rows": int, "
 ACTOR = {"actor": str, "host": str, "node": str, "pid": int, "package_path": str, "ready_at": NUM,
          "last_end_at": NUM, "calls": int, "requests": int, "rows": int, "output_tokens": int, "serving_s": NUM,
          "idle_s": NUM, "busy_s": NUM, "step_s": NUM, "active_s": NUM, "busy_fraction": (float, type(None)),
-         "windows": int, "oom_retries": int, "bisections": int, "rebuilds": list, "learned": dict}
+         "windows": int, "oom_retries": int, "bisections": int, "rebuilds": list, "merged": dict, "pids": list,
+         "learned": dict}
 ENGINE = {"actor": str, "startup_s": NUM, "startup_attempts": list, "kv_cache_tokens": (int, type(None)),
-          "max_model_len": int, "max_num_seqs": int, "pids": list}
+          "max_model_len": int, "max_num_seqs": int}
 STEP = {"t", "budget", "rows", "pressure", "throughput", "action", "reason", "actor"}
 
 

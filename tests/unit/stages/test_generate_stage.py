@@ -89,10 +89,11 @@ def test_long_documents_are_summarized_map_reduce(tiny_model):
                                engine, max_model_len=512)
     prepared = prepare(long)
     assert prepared.column("chunks").to_pylist()[0] >= 2
-    rows = {r["id"]: r for r in generate(prepared).to_pylist()}
+    out = generate(prepared)
+    rows = {r["id"]: r for r in out.to_pylist()}
     assert rows["long"]["status"] == "ok" and rows["long"]["summary"] == "short summary of a window"
     assert rows["short"]["status"] == "ok" and rows["short"]["chunks"] is None
-    records = json.loads(generate(prepared).column(schema.ENGINE_CALL_STATS)[0].as_py())
+    records = json.loads(out.column(schema.ENGINE_CALL_STATS)[0].as_py())
     levels = records[1:]
     assert records[0]["kind"] == "rows" and len(levels) >= 2
     assert [r["kind"] for r in levels] == [f"chunk-level-{k}" for k in range(1, len(levels) + 1)]
@@ -180,3 +181,18 @@ def test_fail_on_error_rate_counts_empty_output_as_failed(monkeypatch):
     assert r.exit_code == EXIT_ERROR_RATE and "2 of 10 rows ended in empty_output (20.00%)" in r.output
     assert "empty_output 2" in r.output  # the run's table counts them
     assert CliRunner().invoke(main, [*args, "--fail-on-error-rate", "0.2"]).exit_code == 0
+
+
+def test_rows_with_the_same_document_are_generated_once_each_with_its_own_id(tiny_model):
+    corpus = pa.table({"id": ["a", "b", "c", "d"], "text": ["Same note.", "Other note.", "Same note.", "Same note."],
+                       "source": ["email"] * 4})
+    for merge, requests in ((True, 2), (False, 4)):
+        engine = FakeEngine(reply=lambda ids, s: f"summary {len(ids)} {ids[-8:]}")
+        prepare, generate = stages(tiny_model, "jobs/nightly_summarize.yaml",
+                                   [f"batching.merge_identical_prompts={str(merge).lower()}"], engine)
+        out = generate(prepare(corpus))
+        rows = {r["id"]: r for r in out.to_pylist()}
+        assert sorted(rows) == ["a", "b", "c", "d"] and {r["status"] for r in rows.values()} == {"ok"}
+        assert rows["a"]["summary"] == rows["c"]["summary"] == rows["d"]["summary"] != rows["b"]["summary"]
+        assert len(engine.submitted) == requests
+        assert generate.actor_totals()["merged"] == ({"rows": 2} if merge else {})
