@@ -28,7 +28,7 @@ PROFILE ?= conf/local-real.yaml
 # there); 8 of the 24 documents pass it and come out truncated, flagged.
 RUN_SETS ?= --set sampling.max_new_tokens=64 --set engine.max_model_len=1024
 
-.PHONY: setup run run-tiny test test-tools bench bench-real bench-batching bench-resume bench-s3 bench-metrics bench-transformers gpu-check clean
+.PHONY: setup run run-tiny test test-tools bench bench-real bench-batching bench-merge bench-resume bench-s3 bench-metrics bench-transformers gpu-check clean
 
 setup: $(STAMP)
 
@@ -87,6 +87,11 @@ bench-batching: $(STAMP)
 	$(BIN)/python -m bench.adaptive_vs_fixed --rows $(ROWS)
 
 # What a resume costs: skipping 16,000 committed rows (bench/resume_cost.py), about 3 minutes.
+# Identical prompts generated once against every row its own request, on a corpus with 6% of
+# its documents repeated (bench/merge_identical.py): about 10 minutes on 2 cores.
+bench-merge: $(STAMP)
+	$(BIN)/python -m bench.merge_identical
+
 bench-resume: $(STAMP)
 	$(BIN)/python -m bench.resume_cost
 
