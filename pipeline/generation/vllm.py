@@ -135,6 +135,7 @@ class VLLMEngine:
         )
         self._kv_usage: float | None = None
         self._preemptions = 0
+        self._prefix_queries = self._prefix_hits = 0  # prompt tokens looked up in the prefix cache, and found
         self._submitted: dict[str, float] = {}
         self._first_token: dict[str, float] = {}
         self._tap_step_stats()
@@ -157,6 +158,10 @@ class VLLMEngine:
         def record(scheduler_stats=None, iteration_stats=None, *args: Any, **kwargs: Any) -> Any:
             if scheduler_stats is not None:
                 self._kv_usage = float(scheduler_stats.kv_cache_usage)
+                prefix = getattr(scheduler_stats, "prefix_cache_stats", None)
+                if prefix is not None:
+                    self._prefix_queries += int(prefix.queries)
+                    self._prefix_hits += int(prefix.hits)
             if iteration_stats is not None:
                 self._preemptions += int(getattr(iteration_stats, "num_preempted_reqs", 0))
             return original(scheduler_stats, iteration_stats, *args, **kwargs)
@@ -273,6 +278,10 @@ class VLLMEngine:
             elif metric.name == "vllm:num_preemptions":
                 preemptions += int(metric.value)
         return usage, preemptions
+
+    def prefix_cache(self) -> dict[str, int]:
+        """vLLM's prefix cache so far: prompt tokens looked up (`queries`) and found (`hits`)."""
+        return {"queries": self._prefix_queries, "hits": self._prefix_hits}
 
     def submit(self, prompt_token_ids: list[int], sampling: Sampling) -> str:
         """Queue one request; raises if the engine refuses it (too long, say)."""

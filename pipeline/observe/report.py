@@ -290,6 +290,7 @@ def build_report(ctx: RunContext, engine_settings: dict[str, Any]) -> RunReport:
         fill=_weighted([(c.get("fill"), c.get("busy_s", 0.0)) for c in calls]),
         batching=batching_section(ctx, calls, actors),
         engine={"settings": engine_settings, "engines": engines, "actors": actors, "calls": len(calls),
+                "prefix_cache": prefix_cache(actors),
                 "pool": pool_summary(calls, actors, {b: sum(c.values()) for b, c in
                                                      written["prompt_tokens_by_bucket"].items()})},
         engine_calls=[{k: v for k, v in c.items() if k not in ("trajectory", "backoffs", "actor")}
@@ -307,6 +308,17 @@ def build_report(ctx: RunContext, engine_settings: dict[str, Any]) -> RunReport:
         plot_path=ctx.plot_path, report_path=f"{job.output.path.rstrip('/')}/{REPORT_NAME}",
         publish=ctx.publish, warnings=ctx.warnings,
     )
+
+
+def prefix_cache(actors: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """vLLM's prefix cache over the run's engines: prompt tokens looked up, found, and the
+    share found (the chat template and system message every prompt shares, and repeats).
+    None where no engine reports one (the transformers backend)."""
+    seen = [a["prefix_cache"] for a in actors if a.get("prefix_cache")]
+    if not seen:
+        return None
+    queries, hits = sum(p["queries"] for p in seen), sum(p["hits"] for p in seen)
+    return {"queries": queries, "hits": hits, "hit_rate": round(hits / queries, 4) if queries else None}
 
 
 def engine_calls(written: dict[str, Any]) -> list[dict[str, Any]]:
@@ -331,8 +343,12 @@ def engine_time(actors: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def batching_section(ctx: RunContext, calls: list[dict[str, Any]], actors: list[dict[str, Any]]) -> dict[str, Any]:
+def batching_section(ctx: RunContext, calls: list[dict[str, Any]],
+                     actors: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The batching part of the report; `actors` (`actor_summaries(calls)` if not given)
+    for the merged-row counts."""
     profile = ctx.config.profile
+    actors = actor_summaries(calls) if actors is None else actors
     learned = {"path": profile.batching.learned_limits, "key": ctx.limits_key, "started_from": ctx.start_limits,
                **ctx.learned}
     return {

@@ -338,6 +338,7 @@ class GenerateStage:
             "bisections": t.bisections,
             "rebuilds": self.engine.rebuilds,
             "merged": dict(self.calls.merged),  # by call kind: items another's request served
+            "prefix_cache": self.engine.prefix_cache() if hasattr(self.engine, "prefix_cache") else None,
             "pids": self.engine_pids(),
             "learned": self.policy.learned_limits(),
             # Padding by the bucket of each batch: the feeder's record (it knows the buckets).

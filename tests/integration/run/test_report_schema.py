@@ -30,6 +30,7 @@ ACTOR = {"actor": str, "host": str, "node": str, "pid": int, "package_path": str
          "last_end_at": NUM, "calls": int, "requests": int, "rows": int, "output_tokens": int, "serving_s": NUM,
          "idle_s": NUM, "busy_s": NUM, "step_s": NUM, "active_s": NUM, "busy_fraction": (float, type(None)),
          "windows": int, "oom_retries": int, "bisections": int, "rebuilds": list, "merged": dict, "pids": list,
+         "prefix_cache": (dict, type(None)),
          "learned": dict}
 ENGINE = {"actor": str, "startup_s": NUM, "startup_attempts": list, "kv_cache_tokens": (int, type(None)),
           "max_model_len": int, "max_num_seqs": int}
@@ -50,7 +51,10 @@ def test_report_keys_and_types_are_pinned(job_run):
         check(b, PER_BUCKET, f"batching.per_bucket.{name}")
         for step in b["trajectory"]:
             assert STEP <= set(step), f"a trajectory step lacks {STEP - set(step)}"
-    assert set(r["engine"]) == {"settings", "engines", "actors", "calls", "pool"}
+    assert set(r["engine"]) == {"settings", "engines", "actors", "calls", "pool", "prefix_cache"}
+    prefix = r["engine"]["prefix_cache"]  # vLLM's, summed over the engines: prompt tokens looked up and found
+    assert set(prefix) == {"queries", "hits", "hit_rate"} and 0 <= prefix["hits"] <= prefix["queries"]
+    assert prefix["queries"] >= r["tokens"]["prompt"]
     assert set(r["engine"]["pool"]) == {"engines", "share_of_rows", "rows_by_bucket", "largest_bucket",
                                         "engines_serving_largest_bucket"}
     assert set(r["timeline"]) == {"first_row_prepared_at", "last_row_prepared_at", "first_part_written_at",

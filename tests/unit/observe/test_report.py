@@ -33,3 +33,12 @@ def test_annotation_calls_do_not_count_as_rows_served_twice():
     actors = actor_summaries(calls)
     assert pool_summary(calls, actors, {"le128": 10})["rows_by_bucket"] == {"le128": {"a": 10}}
     assert actors[0]["rows"] == 10
+
+
+def test_the_prefix_cache_is_summed_over_the_engines_that_report_one():
+    from pipeline.observe.report import prefix_cache
+
+    assert prefix_cache([{"actor": "a"}, {"actor": "b", "prefix_cache": None}]) is None  # transformers: none
+    both = [{"prefix_cache": {"queries": 1000, "hits": 256}}, {"prefix_cache": {"queries": 3000, "hits": 0}}]
+    assert prefix_cache(both) == {"queries": 4000, "hits": 256, "hit_rate": 0.064}
+    assert prefix_cache([{"prefix_cache": {"queries": 0, "hits": 0}}])["hit_rate"] is None
