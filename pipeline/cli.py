@@ -205,12 +205,13 @@ def print_examples(output: str, id_column: str, text_column: str, n: int, width:
     import pyarrow.parquet as pq
 
     try:
-        names = set(pq.ParquetDataset(output).schema.names)
+        dataset = pq.ParquetDataset(output)  # its files listed once, for the schema and the read
+        names = set(dataset.schema.names)
         passages = "passage" in names
         text = "passage" if passages else text_column
         columns = [id_column, text, "summary", "bucket", "status", "output_tokens",
                    *(c for c in ("passage_index", "title", "keywords") if c in names)]
-        rows = pq.read_table(output, columns=columns).to_pylist()
+        rows = dataset.read(columns=columns).to_pylist()
     except (OSError, KeyError, ValueError) as e:  # a store that went away
         console.print(f"[yellow]no examples:[/yellow] {e}", soft_wrap=True, highlight=False)
         return

@@ -15,6 +15,7 @@ once per actor.
     plan = merge.plan(items, sampling)              # items: (position, token ids)
     fresh = generate(plan.fresh)                    # completions of the fresh items by position
     completions = merge.finish(plan, fresh)         # every item's, by position
+    # or, if generating them raised: merge.fail(plan, error), and raise it
 """
 
 from __future__ import annotations
@@ -31,14 +32,21 @@ from pipeline.generation.engine import Completion, Sampling
 Key = tuple[bytes, str]
 
 
-def merge_key(ids: list[int], sampling: Sampling) -> Key | None:
-    """What two requests must share to be merged: the prompt's token ids (a 128-bit
-    digest) and every sampling setting; None where sampling without a seed makes each
+def sampling_key(sampling: Sampling) -> str | None:
+    """Every sampling setting, as one string; None where sampling without a seed makes each
     request's result its own."""
     if sampling.temperature > 0 and sampling.seed is None:
         return None
-    digest = hashlib.blake2b(array("q", ids).tobytes(), digest_size=16).digest()
-    return digest, json.dumps(asdict(sampling), sort_keys=True, default=list)
+    return json.dumps(asdict(sampling), sort_keys=True, default=list)
+
+
+def merge_key(ids: list[int], sampling: Sampling | str | None) -> Key | None:
+    """What two requests must share to be merged: the prompt's token ids (a 128-bit
+    digest) and the sampling (`sampling_key`, or the key itself); None: never merged."""
+    key = sampling_key(sampling) if isinstance(sampling, Sampling) else sampling
+    if key is None:
+        return None
+    return hashlib.blake2b(array("q", ids).tobytes(), digest_size=16).digest(), key
 
 
 @dataclass
@@ -77,9 +85,10 @@ class IdenticalPrompts:
     def plan(self, items: list[tuple[int, list[int]]], sampling: Sampling) -> Plan:
         plan = Plan([], {}, {}, {}, {})
         first: dict[Key, int] = {}  # key -> its fresh position in this call
+        same = sampling_key(sampling)  # one call, one sampling
         with self._lock:
             for position, ids in items:
-                key = merge_key(ids, sampling)
+                key = merge_key(ids, same)
                 if key is None:
                     plan.fresh.append((position, ids))
                 elif key in first:
@@ -96,24 +105,27 @@ class IdenticalPrompts:
                     self._pending[key] = _Pending()
         return plan
 
-    def finish(self, plan: Plan, fresh: dict[int, Completion] | BaseException) -> dict[int, Completion]:
-        """Every item's completion, from the fresh ones. `fresh` may instead be the error
-        that ended their call: it is raised here, and in every call waiting on them, as the
-        feeder fails every open call when the engine fails."""
+    def fail(self, plan: Plan, error: BaseException) -> None:
+        """The call generating `plan.fresh` failed: every call waiting on them raises `error`
+        too, as the feeder fails every open call when the engine fails; nothing is kept."""
+        with self._lock:
+            for key in plan.keys.values():
+                pending = self._pending.pop(key)
+                pending.failure = error
+                pending.done.set()
+
+    def finish(self, plan: Plan, fresh: dict[int, Completion]) -> dict[int, Completion]:
+        """Every item's completion, from the fresh ones (kept for later calls unless they
+        failed), the copies', the kept ones and those other calls generated."""
         with self._lock:
             for position, key in plan.keys.items():
                 pending = self._pending.pop(key)
-                if isinstance(fresh, BaseException):
-                    pending.failure = fresh
-                else:
-                    pending.completion = fresh[position]
-                    if pending.completion.error is None:
-                        self._done[key] = pending.completion
-                        if len(self._done) > self.capacity:
-                            self._done.popitem(last=False)
+                pending.completion = fresh[position]
+                if pending.completion.error is None:
+                    self._done[key] = pending.completion
+                    if len(self._done) > self.capacity:
+                        self._done.popitem(last=False)
                 pending.done.set()
-        if isinstance(fresh, BaseException):
-            raise fresh
         out = dict(fresh)
         out.update({p: fresh[rep] for p, rep in plan.copies.items()})
         out.update(plan.kept)

@@ -89,7 +89,7 @@ class EngineCalls:
             try:
                 served = self.feeder.serve(bucket, plan.fresh, sampling)
             except BaseException as e:
-                self.merge.finish(plan, e)  # raises e, in the calls waiting on these too
+                self.merge.fail(plan, e)  # the calls waiting on these raise it too
                 raise
             completions = self.merge.finish(plan, served.completions)
         with self._numbering:

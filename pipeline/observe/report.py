@@ -276,6 +276,7 @@ def build_report(ctx: RunContext, engine_settings: dict[str, Any]) -> RunReport:
     actors = actor_summaries(calls)
     wall_s = ctx.wall_s()
     status = written["status"]
+    generated = sum(a.get("output_tokens", 0) for a in actors)
     return RunReport(
         run_id=ctx.run_id, job=job.name, job_file=config.job_file, profile_file=config.profile_file,
         model=profile.model.name, input=job.input.path, output=job.output.path, started_at=ctx.started_at,
@@ -283,10 +284,9 @@ def build_report(ctx: RunContext, engine_settings: dict[str, Any]) -> RunReport:
         buckets=bucket_table(written["prompt_tokens_by_bucket"], ctx.bucket_order, written.get("quality")),
         # output: the rows' (a map-reduce row counts its final call); generated: every engine
         # request of this run, chunk summaries and reduces included.
-        tokens={"prompt": written["prompt_tokens"], "output": written["output_tokens"],
-                "generated": sum(a.get("output_tokens", 0) for a in actors)},
+        tokens={"prompt": written["prompt_tokens"], "output": written["output_tokens"], "generated": generated},
         output_tokens_per_s=round(written["output_tokens"] / wall_s, 2) if wall_s > 0 else None,
-        **engine_time(actors),
+        **engine_time(actors, generated),
         fill=_weighted([(c.get("fill"), c.get("busy_s", 0.0)) for c in calls]),
         batching=batching_section(ctx, calls, actors),
         engine={"settings": engine_settings, "engines": engines, "actors": actors, "calls": len(calls),
@@ -327,13 +327,12 @@ def engine_calls(written: dict[str, Any]) -> list[dict[str, Any]]:
             for c in sorted(written["calls"].values(), key=lambda c: c.get("call", ""))]
 
 
-def engine_time(actors: list[dict[str, Any]]) -> dict[str, Any]:
-    """Engine time and what it generated (every request: chunk summaries and reduces too).
-    Calls of one engine overlap (a few blocks at once): its engine time is the time it had
-    any call open, not the sum of its calls' walls. Wall time includes Ray and engine
-    start-up; engine time is the calls alone."""
+def engine_time(actors: list[dict[str, Any]], output_tokens: int) -> dict[str, Any]:
+    """Engine time and what it generated (`output_tokens`: every request's, chunk summaries
+    and reduces too). Calls of one engine overlap (a few blocks at once): its engine time
+    is the time it had any call open, not the sum of its calls' walls. Wall time includes
+    Ray and engine start-up; engine time is the calls alone."""
     engine_s = sum(a.get("serving_s", 0.0) for a in actors)
-    output_tokens = sum(a.get("output_tokens", 0) for a in actors)
     active_s = sum(a["active_s"] for a in actors)
     return {
         "engine_s": round(engine_s, 3),

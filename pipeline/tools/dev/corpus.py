@@ -48,11 +48,8 @@ def python_docs_corpus(rows: int | None = None) -> pa.Table:
         by_length = sorted(names, key=lambda n: (len(topics[n]), n))
         step = (len(by_length) - 1) / max(rows - 1, 1)
         names = sorted({by_length[round(k * step)] for k in range(rows)})
-    return pa.table({
-        "id": pa.array([f"pydoc-{name}" for name in names], pa.string()),
-        "text": pa.array([topics[name].strip() for name in names], pa.string()),
-        "source": pa.array(["section of the Python reference manual"] * len(names), pa.string()),
-    })
+    return _pydoc_table([(f"pydoc-{name}", topics[name].strip()) for name in names],
+                        "section of the Python reference manual")
 
 
 def python_paragraphs_corpus(rows: int | None = None) -> pa.Table:
@@ -65,10 +62,15 @@ def python_paragraphs_corpus(rows: int | None = None) -> pa.Table:
                   if 250 <= len(p) <= 600 and not p.startswith(">>>")]
     if rows is not None and rows < len(paragraphs):
         paragraphs = paragraphs[:: len(paragraphs) // rows][:rows]
+    return _pydoc_table(paragraphs, "paragraph of the Python reference manual")
+
+
+def _pydoc_table(documents: list[tuple[str, str]], source: str) -> pa.Table:
+    """(id, text) pairs as a corpus: id, text, and `source` on every row."""
     return pa.table({
-        "id": pa.array([i for i, _ in paragraphs], pa.string()),
-        "text": pa.array([p for _, p in paragraphs], pa.string()),
-        "source": pa.array(["paragraph of the Python reference manual"] * len(paragraphs), pa.string()),
+        "id": pa.array([i for i, _ in documents], pa.string()),
+        "text": pa.array([t for _, t in documents], pa.string()),
+        "source": pa.array([source] * len(documents), pa.string()),
     })
 
 

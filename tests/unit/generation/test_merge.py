@@ -112,8 +112,7 @@ def test_an_engine_failure_fails_the_calls_waiting_on_it_too():
     owner = merge.plan([(0, [5] * 20)], GREEDY)
     waiter = merge.plan([(1, [5] * 20)], GREEDY)
     assert waiter.waits and not waiter.fresh
-    with pytest.raises(RuntimeError, match="engine core died"):
-        merge.finish(owner, RuntimeError("engine core died"))
+    merge.fail(owner, RuntimeError("engine core died"))
     with pytest.raises(RuntimeError, match="engine core died"):
         merge.finish(waiter, {})
     # Nothing kept and nothing pending: the retried rows are generated afresh.
