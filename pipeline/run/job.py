@@ -90,7 +90,11 @@ def init_ray(config: RunConfig) -> None:
         with tempfile.TemporaryDirectory(prefix="pipeline-empty-") as empty:
             ray.init(address=hw.ray_address, runtime_env=runtime_env(hw, env_vars, empty), log_to_driver=True)
     else:
-        ray.init(num_cpus=hw.ray_num_cpus, include_dashboard=False, runtime_env=runtime_env(hw, env_vars))
+        # A local instance's workers inherit this process's environment: no runtime_env,
+        # whose every worker starts through Ray's setup_worker (a second interpreter) and
+        # its agent. Measured on 2 cores: the engine ready about 5 s sooner.
+        os.environ.update(env_vars)
+        ray.init(num_cpus=hw.ray_num_cpus, include_dashboard=False)
 
 
 def group_window(batch: pa.Table) -> pa.Table:

@@ -68,7 +68,9 @@ def engine_resources(hw: HardwareConfig, tensor_parallel_size: int = 1) -> Engin
 
 
 def runtime_env(hw: HardwareConfig, env_vars: dict[str, str], empty_dir: str | None = None) -> dict[str, Any]:
-    """The job's runtime_env: quiet workers, and on a cluster this package for every node.
+    """The job's runtime_env on a cluster (`hardware.ray_address`): quiet workers, and this
+    package for every node. A local instance needs none: its workers inherit the driver's
+    environment (`pipeline.run.job.init_ray`).
 
     `empty_dir`, an empty folder, goes as the job's working_dir so that the shipped copy is
     the one workers import: a job without a working_dir has Ray put the driver's current
