@@ -55,8 +55,11 @@ run: $(STAMP) $(DOCS)
 run-tiny: $(STAMP) $(CORPUS)
 	$(BIN)/pipeline run $(JOB) --profile conf/local.yaml --input $(CORPUS)
 
+# Two workers (pytest-xdist), a module each at a time: an engine's start leaves the
+# second core idle (tests/conftest.py says why, and which modules share a worker).
+TEST_WORKERS ?= 2
 test: $(STAMP) test-tools
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # The metrics tests run Debian's Prometheus server and Pushgateway on loopback
 # (README, "Watching a run"). Installed here where apt-get can (root, or sudo).

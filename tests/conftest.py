@@ -79,11 +79,21 @@ HERE = Path(__file__).parent
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Markers by folder: everything under integration/ starts real engines; bench/ tests
-    the benchmark harness (its systems start engines too), and `make test` runs it all."""
+    the benchmark harness (its systems start engines too), and `make test` runs it all.
+
+    And a group per module for pytest-xdist (`make test` runs two workers, `--dist
+    loadgroup`): a module's fixtures are built once, in one worker, and the modules that
+    use the session's shared run (`job_run`, two engines) share a worker, so that it is run
+    once. An engine's start is a chain of single-threaded imports (the actor's, then its
+    engine core's, then its worker's), so one run leaves the second core idle for most of
+    its start: a second worker's run fills it."""
+    shared = {item.module.__name__ for item in items if "job_run" in getattr(item, "fixturenames", ())}
     for item in items:
         path = Path(item.fspath)
         if path.is_relative_to(HERE / "integration") or path.name == "test_systems.py":
             item.add_marker(pytest.mark.integration)
         if path.is_relative_to(HERE / "bench"):
             item.add_marker(pytest.mark.bench)
+        module = item.module.__name__
+        item.add_marker(pytest.mark.xdist_group("job_run" if module in shared else module))
 
