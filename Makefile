@@ -59,7 +59,7 @@ run-tiny: $(STAMP) $(CORPUS)
 # second core idle (tests/conftest.py says why, and which modules share a worker).
 TEST_WORKERS ?= 2
 test: $(STAMP) test-tools
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # The metrics tests run Debian's Prometheus server and Pushgateway on loopback
 # (README, "Watching a run"). Installed here where apt-get can (root, or sudo).

@@ -77,23 +77,37 @@ def pushgateway(tmp_path_factory):
 HERE = Path(__file__).parent
 
 
+# The modules that use the session's shared run (`job_run`, in tests/integration/conftest.py).
+SHARED_RUN_MODULES = ("tests/integration/run/test_job.py", "tests/integration/observe/test_watch.py",
+                      "tests/integration/run/test_report_schema.py")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Markers by folder: everything under integration/ starts real engines; bench/ tests
-    the benchmark harness (its systems start engines too), and `make test` runs it all.
-
-    And a group per module for pytest-xdist (`make test` runs two workers, `--dist
-    loadgroup`): a module's fixtures are built once, in one worker, and the modules that
-    use the session's shared run (`job_run`, two engines) share a worker, so that it is run
-    once. An engine's start is a chain of single-threaded imports (the actor's, then its
-    engine core's, then its worker's), so one run leaves the second core idle for most of
-    its start: a second worker's run fills it."""
-    shared = {item.module.__name__ for item in items if "job_run" in getattr(item, "fixturenames", ())}
+    the benchmark harness (its systems start engines too), and `make test` runs it all."""
     for item in items:
         path = Path(item.fspath)
         if path.is_relative_to(HERE / "integration") or path.name == "test_systems.py":
             item.add_marker(pytest.mark.integration)
         if path.is_relative_to(HERE / "bench"):
             item.add_marker(pytest.mark.bench)
-        module = item.module.__name__
-        item.add_marker(pytest.mark.xdist_group("job_run" if module in shared else module))
+        module = item.nodeid.split("::", 1)[0]
+        if "job_run" in getattr(item, "fixturenames", ()) and module not in SHARED_RUN_MODULES:
+            raise pytest.UsageError(f"{module} uses job_run: add it to SHARED_RUN_MODULES in tests/conftest.py, "
+                                    "so that the shared run is run once, in one worker")
 
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """`make test` runs two pytest-xdist workers, a module to a worker at a time (so that a
+    module's fixtures are built once), and the modules of the shared run in one worker (so
+    that it is run once). Two, because an engine's start is a chain of single-threaded
+    imports (the engine actor's, then its engine core's, then its worker's): one run leaves
+    the second core idle for most of its start, and a second worker's run fills it."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "shared run" if module in SHARED_RUN_MODULES else module
+
+    return ByModule(config, log)

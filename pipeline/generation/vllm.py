@@ -58,6 +58,13 @@ def vllm_families(registry: Any = None) -> list[dict[str, Any]]:
     return families
 
 
+def first_token_s(output: Any) -> float | None:
+    """Arrival to first token, as vLLM measured it for the request (its stats are on:
+    `disable_log_stats` false); None where it did not."""
+    latency = getattr(getattr(output, "metrics", None), "first_token_latency", None)
+    return float(latency) if latency else None
+
+
 class VLLMEngine:
     """One vLLM engine, built once and reused for every call.
 
@@ -136,8 +143,6 @@ class VLLMEngine:
         self._kv_usage: float | None = None
         self._preemptions = 0
         self._prefix_queries = self._prefix_hits = 0  # prompt tokens looked up in the prefix cache, and found
-        self._submitted: dict[str, float] = {}
-        self._first_token: dict[str, float] = {}
         self._tap_step_stats()
         self._watch_for_death()
 
@@ -248,7 +253,7 @@ class VLLMEngine:
         if self._params is not None and self._params[0] is sampling:
             return self._params[1]
         from vllm import SamplingParams
-        from vllm.sampling_params import StructuredOutputsParams
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
         params = SamplingParams(
             max_tokens=sampling.max_new_tokens,
@@ -259,6 +264,10 @@ class VLLMEngine:
             structured_outputs=None if sampling.json_schema is None else StructuredOutputsParams(
                 json=sampling.json_schema, disable_any_whitespace=True
             ),
+            # Only the finished output, as `LLM.generate` asks: the default builds every
+            # running request's output, its text so far included, at every step, in this
+            # process, which shares the cores with the engine's.
+            output_kind=RequestOutputKind.FINAL_ONLY,
         )
         self._params = (sampling, params)
         return params
@@ -291,7 +300,6 @@ class VLLMEngine:
         # asks: a raw prompt handed to add_request is deprecated.
         (rendered,) = self._engine.renderer.render_cmpl([{"prompt_token_ids": prompt_token_ids}])
         self._engine.add_request(request_id, rendered, self._sampling_params(sampling))
-        self._submitted[request_id] = time.monotonic()
         return request_id
 
     def step(self) -> list[tuple[str, Completion]]:
@@ -309,21 +317,13 @@ class VLLMEngine:
                 self._dies_of_memory = False
                 raise EngineDead(f"{type(e).__name__}: {cause or e}", memory=memory) from e
             raise
-        now = time.monotonic()
-        for out in outputs:
-            rid = out.request_id
-            if rid not in self._first_token and out.outputs and out.outputs[0].token_ids:
-                self._first_token[rid] = now - self._submitted.get(rid, now)
+        for out in outputs:  # finished requests only (FINAL_ONLY)
             if out.finished:
                 first = out.outputs[0]
-                self._submitted.pop(rid, None)
-                finished.append((rid, Completion(first.text, len(first.token_ids), 0.0, first.finish_reason,
-                                                 first_token_s=self._first_token.pop(rid, None))))
+                finished.append((out.request_id, Completion(first.text, len(first.token_ids), 0.0, first.finish_reason,
+                                                            first_token_s=first_token_s(out))))
         return finished
 
     def abort(self, request_ids: list[str]) -> None:
-        for rid in request_ids:
-            self._submitted.pop(rid, None)
-            self._first_token.pop(rid, None)
         if request_ids and self._engine is not None:
             self._engine.abort_request(request_ids)

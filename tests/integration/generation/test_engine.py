@@ -52,6 +52,8 @@ def test_one_completion_per_prompt_within_max_tokens(engine):
     out, stats = generate(engine, prompts(12), SamplingConfig(max_new_tokens=8))
     assert len(out) == 12
     assert all(c.error is None and 1 <= c.output_tokens <= 8 and c.latency_s > 0 for c in out)
+    # Only finished outputs come back (FINAL_ONLY); the first token's time is vLLM's own.
+    assert all(c.first_token_s is not None and 0 < c.first_token_s <= c.latency_s for c in out)
     assert stats["rows"] == 12 and stats["output_tokens"] == sum(c.output_tokens for c in out)
     assert stats["steps"] >= max(c.output_tokens for c in out)
     assert 0.0 < stats["peak_kv_cache_usage"] <= 1.0  # read from the step stats while requests ran

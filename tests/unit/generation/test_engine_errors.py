@@ -71,7 +71,7 @@ def test_vllms_dead_engine_becomes_engine_dead():
             return self.text
 
     engine = object.__new__(VLLMEngine)
-    engine._engine, engine._submitted, engine._first_token = DeadCore(), {}, {}
+    engine._engine = DeadCore()
     engine._dies_of_memory, engine._tee = False, Tail("")
     with pytest.raises(EngineDead) as died:  # killed: no word, not a memory failure
         engine.step()
@@ -84,3 +84,24 @@ def test_vllms_dead_engine_becomes_engine_dead():
     engine._engine = Refuses()
     with pytest.raises(ValueError):
         engine.step()
+
+
+def test_a_step_returns_the_finished_requests_with_vllms_first_token_time():
+    """Outputs come back finished only (FINAL_ONLY); the time to the first token is the one
+    vLLM's stats measured, and None where it measured none."""
+    from types import SimpleNamespace as NS
+
+    def output(rid, finished, latency):
+        return NS(request_id=rid, finished=finished, metrics=NS(first_token_latency=latency) if latency else None,
+                  outputs=[NS(text="a summary", token_ids=[5, 6, 7], finish_reason="length")])
+
+    class Core:
+        def step(self):
+            return [output("req-0", True, 0.25), output("req-1", False, 0.1), output("req-2", True, None)]
+
+    engine = object.__new__(VLLMEngine)
+    engine._engine = Core()
+    done = dict(engine.step())
+    assert set(done) == {"req-0", "req-2"}
+    assert done["req-0"].first_token_s == 0.25 and done["req-0"].output_tokens == 3
+    assert done["req-2"].first_token_s is None and done["req-2"].text == "a summary"
