@@ -309,9 +309,13 @@ def raw_vllm(corpus: str, output: str, sets: list[str], result: str, profile: st
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from pipeline.generation.vllm_steps import StepTap, StepTimeline
+
     os.environ.update(same.engine_env)
     llm = LLM(**same.engine_kwargs)
     params = SamplingParams(**same.sampling)
+    timeline = StepTimeline()  # each step timed and read as the pipeline's engine reads its own
+    StepTap(llm.llm_engine, timeline)
     gen_started = time.monotonic()
     outputs = llm.generate([TokensPrompt(prompt_token_ids=ids[i]) for i in ok], params, use_tqdm=False)
     gen_s = time.monotonic() - gen_started
@@ -324,6 +328,7 @@ def raw_vllm(corpus: str, output: str, sets: list[str], result: str, profile: st
     Path(result).write_text(json.dumps({
         "rows_ok": len(ok), "rows_error": table.num_rows - len(ok), "output_tokens": tokens,
         "steady_s": gen_s, "inner_wall_s": time.monotonic() - started, "busy_fraction": None,
+        "step_timeline": timeline.take(),
     }))
 
 
@@ -555,8 +560,9 @@ def pool_span_s(actors: list[dict[str, Any]]) -> float | None:
 
 
 def run_system(name: str, sets: list[str], corpus: Path, work: Path, grace_s: float = LINGER_GRACE_S,
-               profile: str = PROFILE) -> dict[str, Any]:
-    """One run of system `name` on `corpus` with `profile`, in its own process; its measurements."""
+               profile: str = PROFILE, timeline: bool = False) -> dict[str, Any]:
+    """One run of system `name` on `corpus` with `profile`, in its own process; its measurements.
+    `timeline`: with every engine step's timeline (`step_timeline`, raw and the pipeline)."""
     out = work / f"{name}-out"
     shutil.rmtree(out, ignore_errors=True)  # every run writes a fresh output
     if name in OWN_PROCESS:
@@ -567,9 +573,13 @@ def run_system(name: str, sets: list[str], corpus: Path, work: Path, grace_s: fl
                *set_args(sets), "--profile", profile]
         wall, peak = run_process(cmd, work / f"{name}.log", grace_s)
         r = json.loads(result.read_text())
+        steps = r.pop("step_timeline", None)
+        if timeline:
+            r["step_timeline"] = [steps]  # one engine, as the pipeline lists one per actor
     else:
+        extra = ["debug.step_timeline=true"] if timeline else []
         cmd = [sys.executable, "-m", "pipeline", "run", JOB, "--profile", profile, "--input", str(corpus),
-               "--output", str(out), *set_args(["batching.learned_limits=null", *sets])]
+               "--output", str(out), *set_args(["batching.learned_limits=null", *sets, *extra])]
         wall, peak = run_process(cmd, work / f"{name}.log", grace_s)
         report = json.loads((out / "_report.json").read_text())
         r = {
@@ -581,6 +591,8 @@ def run_system(name: str, sets: list[str], corpus: Path, work: Path, grace_s: fl
             "busy_fraction": report["busy_fraction"],
             "engines": engine_stats(report["engine"]),
         }
+        if timeline:
+            r["step_timeline"] = [a["step_timeline"] for a in report["engine"]["actors"] if "step_timeline" in a]
     r.update(system=name, wall_s=round(wall, 3), peak_driver_rss_mib=round(peak.driver / 2**20, 1),
              peak_workers_rss_mib=round(peak.workers / 2**20, 1), memory_samples=peak.samples,
              lingering_processes=peak.lingering, lingering_s=peak.lingering_s)

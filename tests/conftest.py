@@ -97,6 +97,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                                     "so that the shared run is run once, in one worker")
 
 
+@pytest.hookimpl(optionalhook=True)  # a plain `pytest -p no:xdist` has no such hook
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     """`make test` runs two pytest-xdist workers, a module to a worker at a time (so that a
     module's fixtures are built once), and the modules of the shared run in one worker (so

@@ -474,6 +474,10 @@ class DebugConfig(_Section):
         "run has committed its first part (at most this long), as input that arrives while generation runs. "
         "Shows streaming without a fixed delay; a run with a barrier would wait out the bound.",
     )
+    step_timeline: bool = Field(
+        False, description="Profiling, vLLM engines: record every engine step (start, duration, requests running "
+        "and waiting, tokens scheduled) into the report, under each engine actor's `step_timeline`.",
+    )
 
 
 class ProfileConfig(_Section):

@@ -160,6 +160,11 @@ class Engine(Protocol):
         """The engine's own Prometheus metric families, as plain data ([] if it has none)."""
         ...
 
+    def step_timeline(self) -> dict[str, Any] | None:
+        """The steps since the last time it was asked (start, duration, load, as columns),
+        where it records them (`debug.step_timeline`); else None."""
+        ...
+
     def close(self) -> None:
         """Stop the engine and free its memory now."""
         ...

@@ -291,6 +291,10 @@ class TransformersEngine:
         """transformers keeps no Prometheus metrics of its own."""
         return []
 
+    def step_timeline(self) -> dict[str, Any] | None:
+        """Not recorded: a static batch is one `generate` call, not steps."""
+        return None
+
     def kill_core(self, memory: bool = False) -> None:
         """There is no core process apart from this one: a hung step ends with the actor."""
 

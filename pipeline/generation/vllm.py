@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.generation.engine import Completion, EngineDead, Sampling
+from pipeline.generation.vllm_steps import StepTap, StepTimeline
 from pipeline.generation.vllm_logs import EngineLogTee, WarnOnce, WarningFilter, mentions_memory_failure, root_cause
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ class VLLMSettings:
     startup_backoff: float = 0.8  # each retry asks for this share of the last memory fraction
     min_gpu_memory_utilization: float = 0.05  # give up below this
     cpu_kvcache_space_gib: float | None = None
+    step_timeline: bool = False  # record each step's start, duration and load (`StepTimeline`)
 
 
 class EngineStartupError(RuntimeError):
@@ -90,6 +92,8 @@ class VLLMEngine:
         self._warn_once = warn_once
         self._warnings = WarningFilter(warn_once) if warn_once is not None else None
         self._dies_of_memory = False
+        # debug.step_timeline: every step's time and load, across rebuilds too.
+        self.timeline = StepTimeline() if settings.step_timeline else None
         self._build()
 
     # -- lifecycle ---------------------------------------------------------------
@@ -140,38 +144,8 @@ class VLLMEngine:
         self.kv_cache_tokens: int | None = (
             cache.num_gpu_blocks * cache.block_size if cache.num_gpu_blocks else None
         )
-        self._kv_usage: float | None = None
-        self._preemptions = 0
-        self._prefix_queries = self._prefix_hits = 0  # prompt tokens looked up in the prefix cache, and found
-        self._tap_step_stats()
+        self._steps = StepTap(self._engine, self.timeline)  # KV usage, preemptions, prefix cache: per step
         self._watch_for_death()
-
-    def _tap_step_stats(self) -> None:
-        """Read KV-cache usage and preemptions from every step's own stats.
-
-        vLLM hands each step's SchedulerStats and IterationStats to its stat
-        logger manager; tapping that call gives exact per-step readings for
-        free, where `get_metrics()` collects every Prometheus metric (about a
-        millisecond, a sixth of a tiny model's step). Without the tap (another
-        vLLM version), `kv_gauges` falls back to `get_metrics()`.
-        """
-        manager = getattr(self._engine, "logger_manager", None)
-        if manager is None:
-            return
-        original = manager.record
-
-        def record(scheduler_stats=None, iteration_stats=None, *args: Any, **kwargs: Any) -> Any:
-            if scheduler_stats is not None:
-                self._kv_usage = float(scheduler_stats.kv_cache_usage)
-                prefix = getattr(scheduler_stats, "prefix_cache_stats", None)
-                if prefix is not None:
-                    self._prefix_queries += int(prefix.queries)
-                    self._prefix_hits += int(prefix.hits)
-            if iteration_stats is not None:
-                self._preemptions += int(getattr(iteration_stats, "num_preempted_reqs", 0))
-            return original(scheduler_stats, iteration_stats, *args, **kwargs)
-
-        manager.record = record
 
     def _watch_for_death(self) -> None:
         """Turn a silently dead engine core into an error instead of a hang.
@@ -276,10 +250,13 @@ class VLLMEngine:
         """vLLM's own Prometheus metrics in this process, for the live metrics."""
         return vllm_families()
 
+    def step_timeline(self) -> dict[str, Any] | None:
+        return self.timeline.take() if self.timeline is not None else None
+
     def kv_gauges(self) -> tuple[float, int]:
         """(KV-cache usage 0..1 at the last step, preemptions so far)."""
-        if self._kv_usage is not None:
-            return self._kv_usage, self._preemptions
+        if self._steps.kv_usage is not None:
+            return self._steps.kv_usage, self._steps.preemptions
         usage, preemptions = 0.0, 0
         for metric in self._llm.get_metrics():
             if metric.name == "vllm:kv_cache_usage_perc":
@@ -290,7 +267,7 @@ class VLLMEngine:
 
     def prefix_cache(self) -> dict[str, int]:
         """vLLM's prefix cache so far: prompt tokens looked up (`queries`) and found (`hits`)."""
-        return {"queries": self._prefix_queries, "hits": self._prefix_hits}
+        return {"queries": self._steps.prefix_queries, "hits": self._steps.prefix_hits}
 
     def submit(self, prompt_token_ids: list[int], sampling: Sampling) -> str:
         """Queue one request; raises if the engine refuses it (too long, say)."""

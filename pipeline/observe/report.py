@@ -16,6 +16,7 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from pipeline.generation.tasks import CallKind
+from pipeline.generation.vllm_steps import joined
 from pipeline.observe.machine import versions
 from pipeline.storage.fs import write_bytes
 from pipeline.storage.output import REPORT_NAME
@@ -73,11 +74,17 @@ def actor_summaries(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return a.get("calls", 0), a["windows"], a["busy_s"]
 
     latest: dict[str, dict[str, Any]] = {}
+    steps: dict[str, list[dict[str, Any]]] = {}  # debug.step_timeline: each call carries the steps since the last
     for c in calls:
         a = c.get("actor")
+        if a and "step_timeline" in a:
+            steps.setdefault(a["actor"], []).append(a["step_timeline"])
         if a and (a["actor"] not in latest or progress(a) >= progress(latest[a["actor"]])):
             latest[a["actor"]] = dict(a)
     actors = list(latest.values())
+    for a in actors:
+        if a["actor"] in steps:
+            a["step_timeline"] = joined(steps[a["actor"]])
     pool_end = max((a.get("last_end_at") or 0.0 for a in actors), default=0.0)
     for a in actors:
         if a.get("ready_at") is not None and pool_end:

@@ -8,7 +8,7 @@ config key that moves changes here and in the config models, nowhere else.
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from pipeline.config import EngineConfig, RunConfig, SamplingConfig
@@ -133,7 +133,8 @@ def generate_settings(config: RunConfig, prepare: PrepareSettings, run_id: str,
     return GenerateSettings(
         run_id=run_id,
         model_name=profile.model.name,
-        engine=vllm_settings(prepare.model_path, profile.engine, job.sampling.seed),
+        engine=replace(vllm_settings(prepare.model_path, profile.engine, job.sampling.seed),
+                       step_timeline=profile.debug.step_timeline),
         backend=profile.engine.backend,
         hf=hf_settings(prepare.model_path, profile.engine, job.sampling.seed),
         sampling=sampling_of(job.sampling),

@@ -340,6 +340,7 @@ class GenerateStage:
             "merged": dict(self.calls.merged),  # by call kind: items another's request served
             "prefix_cache": self.engine.prefix_cache() if hasattr(self.engine, "prefix_cache") else None,
             "pids": self.engine_pids(),
+            **({"step_timeline": timeline} if (timeline := self.engine.step_timeline()) is not None else {}),
             "learned": self.policy.learned_limits(),
             # Padding by the bucket of each batch: the feeder's record (it knows the buckets).
             **({"padding": t.padding.to_json()} if self.engine.pads_batches else {}),

@@ -92,6 +92,9 @@ class FakeEngine:
     def metric_families(self):
         return []
 
+    def step_timeline(self):
+        return None
+
     def rebuild(self, reason):
         before = self.max_num_seqs
         self.max_num_seqs = max(1, before // 2)
@@ -154,6 +157,9 @@ class FakeDevice:
 
     def metric_families(self):
         return []
+
+    def step_timeline(self):
+        return None
 
     def close(self):
         pass
