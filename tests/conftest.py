@@ -82,9 +82,30 @@ SHARED_RUN_MODULES = ("tests/integration/run/test_job.py", "tests/integration/ob
                       "tests/integration/run/test_report_schema.py")
 
 
+# The slowest modules first, so that the two workers end together: the fast modules fill in
+# at the end. By their time in a two-worker run (2 cores, AVX-512, 2026-12-02), longest first.
+LONGEST_FIRST = (
+    "tests/integration/run/test_adaptive.py",  # about 470 s
+    "tests/integration/run/test_resume.py",  # 370 s
+    "tests/integration/run/test_outliers.py",  # 320 s
+    "tests/integration/storage/test_s3.py",  # 270 s
+    *SHARED_RUN_MODULES,  # 260 s
+    "tests/integration/tools/test_tune.py",  # 180 s
+    "tests/integration/run/test_cluster.py",  # 175 s
+    "tests/integration/run/test_real_model.py",  # 145 s
+    "tests/bench/test_systems.py",  # 140 s
+    "tests/integration/generation/test_transformers.py",  # 125 s
+    "tests/integration/run/test_kb_ingest.py",  # 120 s
+)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Markers by folder: everything under integration/ starts real engines; bench/ tests
-    the benchmark harness (its systems start engines too), and `make test` runs it all."""
+    the benchmark harness (its systems start engines too), and `make test` runs it all.
+    Then the slowest modules first (`LONGEST_FIRST`), the rest in their order."""
+    rank = {module: k for k, module in enumerate(LONGEST_FIRST)}
+    order = {id(item): k for k, item in enumerate(items)}
+    items.sort(key=lambda item: (rank.get(item.nodeid.split("::", 1)[0], len(rank)), order[id(item)]))
     for item in items:
         path = Path(item.fspath)
         if path.is_relative_to(HERE / "integration") or path.name == "test_systems.py":
@@ -105,6 +126,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     imports (the engine actor's, then its engine core's, then its worker's): one run leaves
     the second core idle for most of its start, and a second worker's run fills it."""
     from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False  # the collection's order: the slowest modules first
 
     class ByModule(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:

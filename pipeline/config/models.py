@@ -452,13 +452,25 @@ class BatchingConfig(_Section):
         return {"policy": self.policy.kind, "memory_target": self.memory_target if adaptive else None,
                 **self.policy.describe()}
 
+FaultKind = Literal["oom", "engine_oom_death", "engine_crash"]
+
+
+class FaultConfig(_Section):
+    at_batch: int = Field(gt=0, description="The engine batch (window) of each actor the fault strikes in, once.")
+    kind: FaultKind = Field("oom", description="As `debug.inject_oom_kind`.")
+
+
 class DebugConfig(_Section):
     inject_oom_at_batch: int | None = Field(
         None, gt=0, description="Fault injection: an out-of-memory error in this engine batch (window), once."
     )
-    inject_oom_kind: Literal["oom", "engine_oom_death", "engine_crash"] = Field(
+    inject_oom_kind: FaultKind = Field(
         "oom", description="oom: raise CUDA-style OOM in-process; engine_oom_death: kill the engine core as if it "
         "ran out of memory (rebuilt smaller, in place); engine_crash: kill it with no cause (a fresh actor)."
+    )
+    more_faults: list[FaultConfig] = Field(
+        [], description="Fault injection, several in one drill: more faults beside `inject_oom_at_batch`, each "
+        "{at_batch, kind}, e.g. [{at_batch: 6, kind: engine_oom_death}]."
     )
     engine_fails_on_start: bool = Field(
         False, description="Drills: every engine start fails, to show the restart bound ending the run."
@@ -478,6 +490,11 @@ class DebugConfig(_Section):
         False, description="Profiling, vLLM engines: record every engine step (start, duration, requests running "
         "and waiting, tokens scheduled) into the report, under each engine actor's `step_timeline`.",
     )
+
+    def faults(self) -> tuple[tuple[int, str], ...]:
+        """Every injected fault as (batch, kind), in batch order."""
+        first = [(self.inject_oom_at_batch, self.inject_oom_kind)] if self.inject_oom_at_batch is not None else []
+        return tuple(sorted(first + [(f.at_batch, f.kind) for f in self.more_faults]))
 
 
 class ProfileConfig(_Section):

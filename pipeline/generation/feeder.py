@@ -51,23 +51,23 @@ class InjectedOutOfMemory(MemoryError):
 
 
 class FaultInjector:
-    """A fault in the `at`-th window (once), for tests and drills.
+    """A fault in the `at`-th window (once), and any number more (`then`: (window, kind)
+    each, once each, in window order), for tests and drills.
 
     `oom` raises in this process, as a CUDA allocation failure would;
     `engine_oom_death` ends the engine's core as if it had run out of memory, so the
     engine itself reports it dead of memory; `engine_crash` ends it with no cause.
     """
 
-    def __init__(self, at: int | None = None, kind: str = "oom"):
-        self.at, self.kind = at, kind
-        self.fired = False
+    def __init__(self, at: int | None = None, kind: str = "oom", then: tuple[tuple[int, str], ...] = ()):
+        self.pending = sorted(([(at, kind)] if at is not None else []) + list(then))
 
     def check(self, window: int, engine: Engine) -> None:
-        if self.fired or self.at is None or window < self.at:
+        if not self.pending or window < self.pending[0][0]:
             return
-        self.fired = True
-        if self.kind in ("engine_oom_death", "engine_crash"):
-            engine.kill_core(memory=self.kind == "engine_oom_death")
+        _, kind = self.pending.pop(0)
+        if kind in ("engine_oom_death", "engine_crash"):
+            engine.kill_core(memory=kind == "engine_oom_death")
             return
         raise InjectedOutOfMemory(f"CUDA out of memory (injected at batch {window})")
 

@@ -107,8 +107,7 @@ class GenerateSettings:
     merge_identical_prompts: bool = True
     annotations: AnnotationSettings | None = None
     chunk_overlap: int = 64
-    inject_oom_at_batch: int | None = None
-    inject_oom_kind: str = "oom"
+    inject_faults: tuple[tuple[int, str], ...] = ()  # drills: (window, kind) each, once each
     pool_gate: Any = None  # an object whose wait() returns once every engine of the pool is up
     stall_timeout_s: float | None = None  # a step running longer is a hung engine
     fail_on_start: bool = False  # drills: the engine fails to start
@@ -259,7 +258,7 @@ class GenerateStage:
             raise
         self.policy = make_policy(settings, self.engine, learned)
         self.feeder = EngineFeeder(self.engine, self.policy, feed=settings.feed,
-                                   faults=FaultInjector(settings.inject_oom_at_batch, settings.inject_oom_kind))
+                                   faults=FaultInjector(then=settings.inject_faults))
         self.calls = EngineCalls(self.feeder, self.actor, self.actor_totals, self.engine_info,
                                  IdenticalPrompts() if settings.merge_identical_prompts else None)
         self.sampling = settings.sampling

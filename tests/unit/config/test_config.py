@@ -182,3 +182,14 @@ def test_the_transformers_backend_is_checked_before_any_model_loads():
     with pytest.raises(ConfigError, match=r"kb_ingest.yaml: annotations need structured outputs.*"
                                           r"--set engine.backend=transformers"):
         load_run_config(kb, LOCAL, ["engine.backend=transformers", "engine.memory_budget_gib=2"])
+
+
+def test_faults_are_the_shorthand_and_the_list_in_batch_order():
+    from pipeline.config.models import DebugConfig
+
+    debug = DebugConfig(inject_oom_at_batch=3, more_faults=[{"at_batch": 6, "kind": "engine_oom_death"},
+                                                            {"at_batch": 2, "kind": "engine_crash"}])
+    assert debug.faults() == ((2, "engine_crash"), (3, "oom"), (6, "engine_oom_death"))
+    assert DebugConfig().faults() == ()
+    with pytest.raises(ValueError, match="at_batch"):
+        DebugConfig(more_faults=[{"at_batch": 0}])

@@ -124,3 +124,13 @@ def test_the_fault_injector_fires_once(kind):
     out = summarize(calls, [("le128", list(range(12)))], [[1] * 20] * 12, Sampling(4))
     assert all(c.error is None for _, c in out.values())
     assert calls.calls.feeder.totals.oom_retries == 1 and len(engine.rebuilds) == (kind == "engine_oom_death")
+
+
+def test_several_faults_fire_once_each_in_window_order():
+    engine = FakeEngine()
+    faults = FaultInjector(at=1, kind="oom", then=((3, "engine_oom_death"),))
+    calls = calls_over(engine, FixedBatchPolicy(4), faults)
+    out = summarize(calls, [("le128", list(range(24)))], [[1] * 20] * 24, Sampling(4))
+    assert all(c.error is None for _, c in out.values())
+    assert calls.calls.feeder.totals.oom_retries == 2 and len(engine.rebuilds) == 1
+    assert faults.pending == []
