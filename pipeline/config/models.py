@@ -324,6 +324,11 @@ class HardwareConfig(_Section):
     ray_num_cpus: int | None = Field(
         None, gt=0, description="Local Ray only: logical CPUs to advertise (more than cores is fine)."
     )
+    isolate_engine_cpus: bool = Field(
+        True,
+        description="Local Ray on the CPU backend: once the engines are up, the run's other processes keep off "
+        "the cores vLLM bound its workers to, as vLLM advises (pipeline/run/affinity.py).",
+    )
 
 
 class AdaptivePolicy(_Section):

@@ -160,6 +160,11 @@ class Engine(Protocol):
         """The engine's own Prometheus metric families, as plain data ([] if it has none)."""
         ...
 
+    def worker_cpus(self) -> dict[int, list[int]]:
+        """The CPUs its worker processes are bound to, by pid ({} where it has none apart
+        from its own process, or binds none)."""
+        ...
+
     def step_timeline(self) -> dict[str, Any] | None:
         """The steps since the last time it was asked (start, duration, load, as columns),
         where it records them (`debug.step_timeline`); else None."""

@@ -291,6 +291,10 @@ class TransformersEngine:
         """transformers keeps no Prometheus metrics of its own."""
         return []
 
+    def worker_cpus(self) -> dict[int, list[int]]:
+        """None: the model runs in this process."""
+        return {}
+
     def step_timeline(self) -> dict[str, Any] | None:
         """Not recorded: a static batch is one `generate` call, not steps."""
         return None

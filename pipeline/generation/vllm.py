@@ -21,6 +21,8 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +60,27 @@ def vllm_families(registry: Any = None) -> list[dict[str, Any]]:
             families.append({"name": metric.name, "type": metric.type, "doc": metric.documentation,
                              "samples": [(s.name, dict(s.labels), s.value) for s in metric.samples]})
     return families
+
+
+@contextmanager
+def every_cpu() -> Iterator[None]:
+    """This thread on every CPU it may use, for the while: vLLM's engine core, started from
+    it, inherits its CPUs and binds its CPU workers among them (vLLM's own choice), even
+    where the run has since kept this process off the engine's cores
+    (`pipeline.run.affinity`). Its own CPUs again after."""
+    if not hasattr(os, "sched_setaffinity"):
+        yield
+        return
+    mine = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))  # the kernel keeps it to the cpuset
+    except OSError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, mine)
 
 
 def first_token_s(output: Any) -> float | None:
@@ -113,7 +136,8 @@ class VLLMEngine:
                 self._warnings.detach()
             tee = EngineLogTee(self._warn_once)
             try:
-                self._llm = LLM(**self.kwargs)
+                with every_cpu():
+                    self._llm = LLM(**self.kwargs)
             except Exception as e:
                 util = self.kwargs["gpu_memory_utilization"]
                 cause = root_cause(tee.stop(wait_s=2.0)) or f"{type(e).__name__}: {e}"
@@ -208,6 +232,20 @@ class VLLMEngine:
             p.pid for p in psutil.Process().children(recursive=True)
             if "EngineCore" in " ".join(p.cmdline() or [p.name()]) or "EngineCore" in p.name()
         ]
+
+    def worker_cpus(self) -> dict[int, list[int]]:
+        """The CPUs each of the engine's worker processes (its core's children) is bound to,
+        by pid: on the CPU backend vLLM binds them to cores of their own."""
+        import psutil
+
+        found: dict[int, list[int]] = {}
+        for pid in self.core_pids():
+            try:
+                for worker in psutil.Process(pid).children(recursive=True):
+                    found[worker.pid] = sorted(worker.cpu_affinity())
+            except psutil.Error:  # a worker that ended while being listed: none to keep apart
+                continue
+        return found
 
     def kill_core(self, memory: bool = False) -> None:
         """SIGKILL the engine core, so vLLM itself finds it dead: a fault injection

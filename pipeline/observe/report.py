@@ -257,6 +257,7 @@ class RunContext:
     limits_key: dict[str, Any] = field(default_factory=dict)
     start_limits: dict[str, int] = field(default_factory=dict)
     percentile_cap: int | None = None
+    engine_cpus: dict[str, Any] | None = None  # the engines' cores and the others' (`pipeline.run.affinity`)
     checks: dict[str, Any] = field(default_factory=dict)  # passes over the input, and their cost
     incidents: list[dict[str, Any]] = field(default_factory=list)
     written: dict[str, Any] | None = None  # the sink's merged stats: what reached the output files
@@ -297,7 +298,7 @@ def build_report(ctx: RunContext, engine_settings: dict[str, Any]) -> RunReport:
         fill=_weighted([(c.get("fill"), c.get("busy_s", 0.0)) for c in calls]),
         batching=batching_section(ctx, calls, actors),
         engine={"settings": engine_settings, "engines": engines, "actors": actors, "calls": len(calls),
-                "prefix_cache": prefix_cache(actors),
+                "prefix_cache": prefix_cache(actors), "cpus": ctx.engine_cpus,
                 "pool": pool_summary(calls, actors, {b: sum(c.values()) for b, c in
                                                      written["prompt_tokens_by_bucket"].items()})},
         engine_calls=[{k: v for k, v in c.items() if k not in ("trajectory", "backoffs", "actor")}

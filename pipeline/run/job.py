@@ -43,7 +43,8 @@ from pipeline.storage.inputs import InputError, check_inputs, duplicate_ids
 from pipeline.observe.metrics import RunLabels, RunMetrics, Watch
 from pipeline.storage.output import OutputTarget, PublishError
 from pipeline.run.plan import engine_description, generate_settings, prepare_settings, resolve_dtype
-from pipeline.run.pool import EnginePool, runtime_env
+from pipeline.run.affinity import EngineCpuGuard
+from pipeline.run.pool import EnginePool, end_engine_processes, runtime_env
 from pipeline.observe.progress import progress_for
 from pipeline.observe.report import (RunContext, RunReport, actor_summaries, batching_section, build_report,
                                      engine_calls, write_beside, write_report)
@@ -320,9 +321,14 @@ def run_dataset(ctx: RunContext, ds: Any, prepare: PrepareSettings, target: Outp
     job, engine = config.job, config.profile.engine
     committed = target.committed
     metrics.expect(ctx.inputs.rows, committed.documents() if job.passages is not None else committed.rows)
-    pool = EnginePool(config.profile.hardware, engine.tensor_parallel_size)
+    hw = config.profile.hardware
+    pool = EnginePool(hw, engine.tensor_parallel_size)
     pool.open()
     metrics.attach(pool.gate.metrics)
+    guard = None
+    if hw.accelerator == "cpu" and not hw.ray_address and hw.isolate_engine_cpus and engine.backend == "vllm":
+        guard = EngineCpuGuard(pool.gate.worker_cpus, engines=hw.num_engines)
+        guard.start()
     try:
         # Each engine warning once per run, unless --verbose.
         settings = replace(generate_settings(config, prepare, ctx.run_id, quiet_warnings=not verbose),
@@ -349,7 +355,13 @@ def run_dataset(ctx: RunContext, ds: Any, prepare: PrepareSettings, target: Outp
         ctx.incidents = pool.incidents()
         ctx.written, ctx.generated_rows = sink.summary, sink.generated_rows
         metrics.detach(settle_s=SETTLE_S)  # every row is written: the metrics say so before the pool goes
+        if not hw.ray_address and ctx.written is not None:
+            # Every row is written: the engines end now, by the pids their actors recorded.
+            end_engine_processes({a["pid"] for a in actor_summaries(engine_calls(ctx.written)) if "pid" in a})
     finally:
+        if guard is not None:
+            guard.stop()
+            ctx.engine_cpus = guard.summary()
         metrics.detach()
         pool.close()
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -179,6 +180,7 @@ class PoolLog:
         self.incidents = IncidentLog()
         self.snapshots: dict[str, dict[str, Any]] = {}  # engine incarnation -> its latest metrics snapshot
         self.warnings = WarningMemory()
+        self.cpus: dict[str, dict[int, list[int]]] = {}  # engine incarnation -> its workers' CPUs, by pid
 
     async def arrive(self, who: str, timeout_s: float) -> tuple[bool, str]:
         return await self.barrier.arrive(who, timeout_s)
@@ -208,6 +210,13 @@ class PoolLog:
 
     def meter(self, incarnation: str, snapshot: dict[str, Any]) -> None:
         self.snapshots[incarnation] = snapshot
+
+    def engine_cpus(self, incarnation: str, workers: dict[int, list[int]]) -> None:
+        self.cpus[incarnation] = workers
+
+    def worker_cpus(self) -> dict[str, dict[int, list[int]]]:
+        """Each engine incarnation's workers' CPUs, by pid."""
+        return dict(self.cpus)
 
     def metrics(self) -> dict[str, Any]:
         """Every engine incarnation's latest snapshot (`pipeline.observe.metrics`), and the
@@ -272,6 +281,15 @@ class PoolGate:
     def meter(self, incarnation: str, snapshot: dict[str, Any]) -> None:
         self.log.meter.remote(incarnation, snapshot)  # fire and forget
 
+    def engine_cpus(self, incarnation: str, workers: dict[int, list[int]]) -> None:
+        """Where this engine's workers are bound (`pipeline.run.affinity`)."""
+        self.log.engine_cpus.remote(incarnation, workers)  # fire and forget
+
+    def worker_cpus(self) -> dict[str, dict[int, list[int]]]:
+        import ray
+
+        return ray.get(self.log.worker_cpus.remote(), timeout=10)
+
     def metrics(self) -> dict[str, Any]:
         import ray
 
@@ -281,6 +299,53 @@ class PoolGate:
         import ray
 
         ray.kill(self.log)
+
+
+def end_engine_processes(actors: set[int], grace_s: float = 3.0) -> list[int]:
+    """The processes under this run's engine actors (by the pids the actors recorded:
+    vLLM's engine core and its workers), ended now that every row is written, rather than
+    when Ray's shutdown leaves them orphaned to notice it in their own time: SIGTERM (on
+    which vLLM's core stops its workers), then SIGKILL after `grace_s`. Only under actors
+    that are processes under this one (a local Ray instance's), never another's; the
+    actors themselves are Ray's to end. The pids it had to kill."""
+    import psutil
+
+    procs: list[psutil.Process] = []
+    for actor in psutil.Process().children(recursive=True):
+        if actor.pid in actors:
+            try:
+                procs += actor.children(recursive=True)
+            except psutil.NoSuchProcess:
+                continue
+    def living(ps: list[psutil.Process]) -> list[psutil.Process]:
+        """Those not yet gone: a zombie (ended, its parent yet to reap it) is gone."""
+        out = []
+        for p in ps:
+            try:
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    out.append(p)
+            except psutil.NoSuchProcess:
+                continue
+        return out
+
+    def wait(ps: list[psutil.Process]) -> list[psutil.Process]:
+        deadline = time.monotonic() + grace_s
+        while (ps := living(ps)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return ps
+
+    def send(ps: list[psutil.Process], how: Callable[[psutil.Process], None]) -> None:
+        for p in ps:
+            try:
+                how(p)
+            except psutil.NoSuchProcess:
+                continue
+
+    send(procs, psutil.Process.terminate)
+    stubborn = wait(procs)
+    send(stubborn, psutil.Process.kill)
+    wait(stubborn)
+    return [p.pid for p in stubborn]
 
 
 class EnginePool:

@@ -273,6 +273,9 @@ class GenerateStage:
         self._pids = {os.getpid()}
         self.ready_at = round(time.time(), 3)
         self.meter = self._meter(settings.pool_gate)
+        if settings.pool_gate is not None and hasattr(settings.pool_gate, "engine_cpus"):
+            # Where vLLM bound its workers: the driver keeps the run's other processes off them.
+            settings.pool_gate.engine_cpus(self.actor, self.engine.worker_cpus())
         # Wait for the other engines, and for the driver's checks (None: go ahead).
         self.refused = settings.pool_gate.wait() if settings.pool_gate is not None else None
         if settings.stall_timeout_s:

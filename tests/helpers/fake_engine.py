@@ -95,6 +95,9 @@ class FakeEngine:
     def step_timeline(self):
         return None
 
+    def worker_cpus(self):
+        return {}
+
     def rebuild(self, reason):
         before = self.max_num_seqs
         self.max_num_seqs = max(1, before // 2)
@@ -160,6 +163,9 @@ class FakeDevice:
 
     def step_timeline(self):
         return None
+
+    def worker_cpus(self):
+        return {}
 
     def close(self):
         pass

@@ -81,6 +81,19 @@ def test_no_engine_process_outlives_the_run(job_run):
     assert job_run.engines_left == [], f"engine processes alive {ENGINE_GRACE_S:.0f} s after the CLI exited"
 
 
+def test_the_runs_other_processes_keep_off_the_engines_cores(job_run):
+    """vLLM binds each CPU worker to cores of its own; once both engines are up, the driver
+    moves the run's other processes to the cores the workers leave free."""
+    import os
+
+    cpus = job_run.report["engine"]["cpus"]
+    if len(os.sched_getaffinity(0)) < 2:
+        assert cpus is None  # one CPU: nothing to keep apart
+        return
+    assert cpus is not None and cpus["engine"] and cpus["others"], cpus
+    assert not set(cpus["engine"]) & set(cpus["others"]) and cpus["processes"] >= 3  # the driver, Ray's, the actors
+
+
 def test_generation_starts_while_input_is_still_read(job_run):
     """No barrier: the first part is committed to staging before the last input row is
     tokenized (the shared run's input arrives slowly, see conftest)."""

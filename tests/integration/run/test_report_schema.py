@@ -51,7 +51,9 @@ def test_report_keys_and_types_are_pinned(job_run):
         check(b, PER_BUCKET, f"batching.per_bucket.{name}")
         for step in b["trajectory"]:
             assert STEP <= set(step), f"a trajectory step lacks {STEP - set(step)}"
-    assert set(r["engine"]) == {"settings", "engines", "actors", "calls", "pool", "prefix_cache"}
+    assert set(r["engine"]) == {"settings", "engines", "actors", "calls", "pool", "prefix_cache", "cpus"}
+    cpus = r["engine"]["cpus"]  # where the engines' workers run, and the run's other processes (or None)
+    assert cpus is None or (set(cpus) == {"engine", "others", "processes"} and not set(cpus["engine"]) & set(cpus["others"]))
     prefix = r["engine"]["prefix_cache"]  # vLLM's, summed over the engines: prompt tokens looked up and found
     assert set(prefix) == {"queries", "hits", "hit_rate"} and 0 <= prefix["hits"] <= prefix["queries"]
     assert prefix["queries"] >= r["tokens"]["prompt"]

@@ -50,3 +50,40 @@ def test_a_cluster_job_ships_an_empty_working_dir_so_the_shipped_package_wins():
     # and a node with a checkout at that path would import it instead of the shipped copy.
     env = runtime_env(hw(ray_address="auto"), {}, "/tmp/empty")
     assert env["working_dir"] == "/tmp/empty" and env["py_modules"] == [PACKAGE_DIR]
+
+
+def test_the_engines_under_the_runs_actors_end_and_the_actors_are_left_to_ray():
+    """An "actor" with two children as vLLM's core and worker: one that ends on SIGTERM, one
+    that ignores it (killed after the grace); the actor itself, and a process that is no
+    actor's, are left alone."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from pipeline.run.pool import end_engine_processes
+
+    child = "import signal, time; {}; time.sleep(60)"
+    actor = subprocess.Popen([sys.executable, "-c", (
+        "import subprocess, sys, time\n"
+        f"subprocess.Popen([sys.executable, '-c', {child.format('pass')!r}])\n"
+        f"subprocess.Popen([sys.executable, '-c', {child.format('signal.signal(signal.SIGTERM, signal.SIG_IGN)')!r}])\n"
+        "time.sleep(60)\n")])
+    bystander = subprocess.Popen([sys.executable, "-c", child.format("pass")])
+    try:
+        deadline = time.monotonic() + 30
+        while len(psutil.Process(actor.pid).children()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        engines = psutil.Process(actor.pid).children()
+        assert len(engines) == 2
+        time.sleep(1)  # both children past setting their signal handlers
+        killed = end_engine_processes({actor.pid}, grace_s=1.0)
+        assert len(killed) == 1  # the one that ignored SIGTERM
+        assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in engines)
+        assert actor.poll() is None and bystander.poll() is None
+    finally:
+        for p in (actor, bystander):
+            p.send_signal(signal.SIGKILL)
+            p.wait(10)

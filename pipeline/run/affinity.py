@@ -1,0 +1,115 @@
+"""Keep the run's other processes off the cores vLLM's CPU workers are bound to.
+
+On its CPU backend vLLM binds each engine's worker (the process that runs the
+model, with its OpenMP threads) to cores of its own, and leaves the rest for its
+engine core and the process that drives it; its documentation asks that nothing
+else run on the workers' cores. A run on one machine has more beside them: the
+driver, Ray's own processes, the prepare actor, the write tasks. Measured on 2
+cores (bench/README.md, "Engine steps"), they cost the engine a fifth of its
+steady rate: the worker, preempted, ran at three quarters of its core.
+
+So once every engine is up (each reports where its workers are bound, through
+the pool's log; not before the last, whose start must not be narrowed), a thread
+of the driver narrows every other process of the run's
+own Ray instance, every thread of each, to the CPUs the workers leave, every
+`every_s`, for processes started since (a restarted engine actor, write tasks).
+It never touches a process outside the driver's own tree, nor one whose CPUs are
+already among the engines' (a worker that vLLM has bound but not yet reported), nor
+one already narrowed. Start-up runs on every CPU: the engines' start is what it
+waits for. An engine started later (a restarted actor, a rebuilt engine) starts
+narrowed, and widens only its starting thread (`pipeline.generation.vllm.every_cpu`),
+so that vLLM binds its new worker as before.
+
+Only a local instance (no `hardware.ray_address`) on the CPU backend, with
+`hardware.isolate_engine_cpus` on, and only where the workers leave a CPU free.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def narrow(pid: int, cpus: set[int]) -> bool:
+    """Every thread of `pid` to `cpus`; False if the process is gone or not ours to change."""
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    done = False
+    for tid in threads:
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+            done = True
+        except OSError:  # a thread that ended meanwhile, or not ours
+            continue
+    return done
+
+
+@dataclass
+class EngineCpuGuard:
+    """The thread that keeps the run's other processes off the engines' cores."""
+
+    workers: Callable[[], dict[str, dict[int, list[int]]]]  # each engine's workers' CPUs, by pid (the pool's log)
+    engines: int = 1  # how many engines must have reported before anything moves
+    every_s: float = 2.0
+    engine_cpus: set[int] = field(default_factory=set)
+    other_cpus: set[int] = field(default_factory=set)
+    moved: set[int] = field(default_factory=set)  # pids narrowed so far
+    allowed: set[int] = field(default_factory=lambda: set(os.sched_getaffinity(0)))  # the driver's, at start
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="engine-cpu-guard", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop, and give the driver its CPUs back (its process may go on: a test, a notebook)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        if os.getpid() in self.moved:
+            narrow(os.getpid(), self.allowed)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                self.once()
+            except Exception:  # the pool's log gone at the end of the run: nothing left to keep apart
+                continue
+
+    def once(self) -> None:
+        """One pass: the engines' CPUs as reported, and every other process of the tree narrowed."""
+        import psutil
+
+        reports = self.workers()
+        if len(reports) < self.engines:
+            return
+        workers = {pid: cpus for report in reports.values() for pid, cpus in report.items()}
+        engine = {cpu for cpus in workers.values() for cpu in cpus}
+        others = self.allowed - engine
+        if not engine or not others:
+            return
+        self.engine_cpus, self.other_cpus = engine, others
+        me = psutil.Process()
+        for p in [me, *me.children(recursive=True)]:
+            if p.pid in workers:
+                continue
+            try:
+                cpus = set(p.cpu_affinity())
+            except psutil.Error:
+                continue
+            if cpus <= others or cpus <= engine:  # done already, or bound among the engines' cores
+                continue
+            if narrow(p.pid, others):
+                self.moved.add(p.pid)
+
+    def summary(self) -> dict[str, Any] | None:
+        """For the report: the engines' CPUs, the others', and how many processes were moved."""
+        if not self.engine_cpus:
+            return None
+        return {"engine": sorted(self.engine_cpus), "others": sorted(self.other_cpus), "processes": len(self.moved)}
