@@ -398,6 +398,13 @@ class BucketingConfig(_Section):
         description="window grouping: prepared rows ordered by bucket together. More rows, fewer bucket "
         "boundaries; the window bounds what a stage holds at once.",
     )
+    window_order: Literal["interleaved", "ascending"] = Field(
+        "interleaved",
+        description="window grouping: the order of a window's blocks. interleaved: each bucket's blocks spread "
+        "evenly through the window, so a continuous-batching engine prefills long prompts beside short ones' "
+        "decodes; ascending: short buckets first, the longest last. Either way no block's call mixes buckets.",
+    )
+
 
     @field_validator("grouping", mode="before")
     @classmethod

@@ -98,9 +98,10 @@ def init_ray(config: RunConfig) -> None:
         ray.init(num_cpus=hw.ray_num_cpus, include_dashboard=False)
 
 
-def group_window(batch: pa.Table) -> pa.Table:
-    """One window of prepared rows, ordered by bucket (see `bucketing.window_order`)."""
-    return batch.take(pa.array(window_order(batch.column(schema.BUCKET_INDEX).to_pylist()), pa.int64()))
+def group_window(batch: pa.Table, block_rows: int | None = None) -> pa.Table:
+    """One window of prepared rows, grouped by bucket (see `bucketing.window_order`)."""
+    order = window_order(batch.column(schema.BUCKET_INDEX).to_pylist(), block_rows)
+    return batch.take(pa.array(order, pa.int64()))
 
 
 _COMMITTED: dict[str, Any] = {}  # per worker process: the committed keys, fetched once
@@ -302,7 +303,9 @@ def build_dataset(ctx: RunContext, target: OutputTarget) -> tuple[Any, PrepareSe
         # Streaming: each window of prepared rows ordered by bucket, nothing waits for the corpus.
         # Then cut into blocks of an engine's batch: Ray Data hands out blocks, not
         # batches, so a window left whole would go to one engine (streaming, no shuffle).
+        interleaved = profile.bucketing.window_order == "interleaved"
         ds = (ds.map_batches(group_window, batch_size=profile.bucketing.window_rows, batch_format="pyarrow",
+                             fn_kwargs={"block_rows": profile.batching.generate_batch_rows if interleaved else None},
                              num_cpus=0.1, concurrency=1)
               .repartition(target_num_rows_per_block=profile.batching.generate_batch_rows))
     elif profile.bucketing.grouping == "global":

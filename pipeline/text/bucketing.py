@@ -40,8 +40,37 @@ class LengthBucketer:
         return self.names[self.index(tokens)]
 
 
-def window_order(buckets: Sequence[int]) -> list[int]:
-    """Positions of a window's rows ordered by bucket, arrival order kept within one: the
-    window's blocks then hold one bucket each, except where one bucket ends and the next
-    begins, and the engine calls they are split into never mix buckets."""
-    return sorted(range(len(buckets)), key=lambda i: buckets[i])
+def window_order(buckets: Sequence[int], block_rows: int | None = None) -> list[int]:
+    """Positions of a window's rows grouped by bucket: the window's blocks then hold one
+    bucket each, except where one bucket ends and the next begins, and the engine calls
+    they are split into never mix buckets.
+
+    `block_rows` None: the buckets one after another, short to long, arrival order kept
+    within one. Else the buckets are interleaved a block at a time, each spread evenly
+    over the window: block `j` of `n` comes at `(j + 1/2) / n` of the way through. A continuous-batching engine (vLLM)
+    then prefills a long bucket's prompts beside the other buckets' decodes, instead of
+    all of them together at the window's end, where each long prefill filled a step of
+    its own with few decodes beside it (measured: `bench/README.md`, engine steps).
+
+    Each bucket's last rows (fewer than a block) are gathered, longest bucket first,
+    into blocks of their own, spread like the rest; such a block is split into a call
+    per bucket. The rows that do not fill a last block, the shortest, end the window. So
+    the blocks the window is cut into line up with the blocks here: one bucket each
+    but for the gathered ones."""
+    by_bucket: dict[int, list[int]] = {}
+    for i, b in enumerate(buckets):
+        by_bucket.setdefault(b, []).append(i)
+    if block_rows is None:
+        return [i for b in sorted(by_bucket) for i in by_bucket[b]]
+    blocks: list[tuple[float, int, list[int]]] = []
+    rest: list[int] = []
+    for b in sorted(by_bucket, reverse=True):
+        rows = by_bucket[b]
+        n = len(rows) // block_rows
+        blocks += [((j + 0.5) / n, b, rows[j * block_rows:(j + 1) * block_rows]) for j in range(n)]
+        rest += rows[n * block_rows:]
+    gathered = len(rest) - len(rest) % block_rows
+    k = gathered // block_rows
+    blocks += [((j + 0.5) / k, -1, rest[j * block_rows:(j + 1) * block_rows]) for j in range(k)]
+    blocks.sort(key=lambda c: (c[0], c[1]))
+    return [i for _, _, rows in blocks for i in rows] + rest[gathered:]

@@ -63,15 +63,17 @@ from pipeline.stages.generate import bucket_runs  # noqa: E402
 NAMES = LengthBucketer().names
 
 
-def engine_calls(buckets: list[int], window_rows: int, block_rows: int) -> list[tuple[str, list[int]]]:
-    """The plan's composition, in order: windows of prepared rows ordered by bucket
+def engine_calls(buckets: list[int], window_rows: int, block_rows: int,
+                 interleaved: bool = False) -> list[tuple[str, list[int]]]:
+    """The plan's composition, in order: windows of prepared rows grouped by bucket
     (`window_order`, as the window stage does), the stream cut into blocks of
     `block_rows` (Ray Data's repartition), each block split into engine calls
     (`bucket_runs`, as the generate stage does). Row numbers are input positions."""
     stream: list[int] = []
     for start in range(0, len(buckets), window_rows):
         window = list(range(start, min(start + window_rows, len(buckets))))
-        stream += [window[i] for i in window_order([buckets[p] for p in window])]
+        stream += [window[i] for i in window_order([buckets[p] for p in window],
+                                                    block_rows if interleaved else None)]
     calls = []
     for start in range(0, len(stream), block_rows):
         block = stream[start:start + block_rows]
@@ -83,9 +85,10 @@ def engine_calls(buckets: list[int], window_rows: int, block_rows: int) -> list[
 
 @settings(max_examples=300, deadline=None)
 @given(buckets=st.lists(st.integers(0, len(NAMES) - 1), max_size=400),
-       window_rows=st.integers(1, 120), block_rows=st.integers(1, 50))
-def test_every_row_reaches_exactly_one_bucket_pure_call_no_larger_than_a_block(buckets, window_rows, block_rows):
-    calls = engine_calls(buckets, window_rows, block_rows)
+       window_rows=st.integers(1, 120), block_rows=st.integers(1, 50), interleaved=st.booleans())
+def test_every_row_reaches_exactly_one_bucket_pure_call_no_larger_than_a_block(buckets, window_rows, block_rows,
+                                                                                interleaved):
+    calls = engine_calls(buckets, window_rows, block_rows, interleaved)
     served = sorted(p for _, positions in calls for p in positions)
     assert served == list(range(len(buckets)))  # every row once: none lost, none twice
     for name, positions in calls:
@@ -106,3 +109,33 @@ def test_a_window_of_mixed_rows_becomes_few_calls():
     # ordered by bucket first, a 90-row window in 30-row blocks makes exactly 3.
     buckets = [0, 1, 2] * 30
     assert [(n, len(p)) for n, p in engine_calls(buckets, 90, 30)] == [("le128", 30), ("le256", 30), ("le512", 30)]
+
+
+def test_interleaved_spreads_a_long_bucket_through_the_window_instead_of_at_its_end():
+    # 8 blocks of short rows, 2 of medium, 1 of long: ascending puts the long block last,
+    # where its prefills would fill steps with few decodes beside them.
+    buckets = [0] * 80 + [3] * 20 + [6] * 10
+    ascending = [buckets[i] for i in window_order(buckets)]
+    assert ascending[-10:] == [6] * 10
+    blocks = [buckets[i] for i in window_order(buckets, 10)][::10]
+    assert blocks == [0, 0, 3, 0, 0, 6, 0, 0, 3, 0, 0]  # each bucket's blocks evenly spread
+    assert sorted(blocks) == sorted(ascending[::10])
+
+
+@given(buckets=st.lists(st.integers(0, 7), max_size=300), block_rows=st.integers(1, 40))
+def test_interleaved_blocks_line_up_and_the_shortest_last_rows_end_the_window(buckets, block_rows):
+    order = window_order(buckets, block_rows)
+    assert sorted(order) == list(range(len(buckets)))  # every row once
+    last_rows = set()  # each bucket's rows past its last whole block
+    for b in set(buckets):
+        mine = [i for i, x in enumerate(buckets) if x == b]
+        last_rows |= set(mine[len(mine) // block_rows * block_rows:])
+    whole = len(buckets) // block_rows * block_rows
+    for start in range(0, whole, block_rows):  # each block the window is cut into
+        block = order[start:start + block_rows]
+        assert len({buckets[i] for i in block}) == 1 or set(block) <= last_rows
+    tail = [buckets[i] for i in order[whole:]]
+    assert set(order[whole:]) <= last_rows and tail == sorted(tail, reverse=True)
+    if tail:  # the shortest of the last rows: none gathered into a block is shorter
+        gathered = [buckets[i] for i in order[:whole] if i in last_rows]
+        assert all(g >= tail[0] for g in gathered)
