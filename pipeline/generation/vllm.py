@@ -43,6 +43,7 @@ class VLLMSettings:
     min_gpu_memory_utilization: float = 0.05  # give up below this
     cpu_kvcache_space_gib: float | None = None
     step_timeline: bool = False  # record each step's start, duration and load (`StepTimeline`)
+    in_process: bool = False  # the engine core in this process (`engine.in_process`), not in its own
 
 
 class EngineStartupError(RuntimeError):
@@ -106,6 +107,11 @@ class VLLMEngine:
         if settings.cpu_kvcache_space_gib is not None:
             # Read by the CPU backend when the engine core starts.
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(settings.cpu_kvcache_space_gib)
+        # Read by `LLM` as it builds the engine: 0 keeps the core (and a one-device worker) here.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if settings.in_process else "1"
+        import vllm.envs
+
+        vllm.envs.disable_envs_cache()  # an engine core built here before froze them
         self.settings = settings
         self.kwargs = dict(settings.kwargs)
         self._params: tuple[Sampling, Any] | None = None

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, replace
 from typing import Any
 
-from pipeline.config import EngineConfig, RunConfig, SamplingConfig
+from pipeline.config import EngineConfig, ProfileConfig, RunConfig, SamplingConfig
 from pipeline.generation.engine import Sampling
 from pipeline.generation.hf import HFSettings
 from pipeline.generation.vllm import VLLMSettings
@@ -74,6 +74,17 @@ def engine_kwargs(model: str, engine: EngineConfig, seed: int | None) -> dict[st
     return kwargs
 
 
+CORE_DRILLS = ("engine_oom_death", "engine_crash")  # debug faults that kill the engine core's process
+
+
+def engine_in_process(profile: ProfileConfig) -> bool:
+    """Whether vLLM's engine core runs in the actor's process (`engine.in_process`)."""
+    engine = profile.engine
+    if engine.tensor_parallel_size > 1 or any(kind in CORE_DRILLS for _, kind in profile.debug.faults()):
+        return False
+    return engine.in_process if engine.in_process is not None else profile.hardware.accelerator == "cpu"
+
+
 def vllm_settings(model: str, engine: EngineConfig, seed: int | None) -> VLLMSettings:
     return VLLMSettings(engine_kwargs(model, engine, seed), startup_backoff=engine.restart.startup_backoff,
                         min_gpu_memory_utilization=engine.restart.min_gpu_memory_utilization,
@@ -134,7 +145,7 @@ def generate_settings(config: RunConfig, prepare: PrepareSettings, run_id: str,
         run_id=run_id,
         model_name=profile.model.name,
         engine=replace(vllm_settings(prepare.model_path, profile.engine, job.sampling.seed),
-                       step_timeline=profile.debug.step_timeline),
+                       step_timeline=profile.debug.step_timeline, in_process=engine_in_process(profile)),
         backend=profile.engine.backend,
         hf=hf_settings(prepare.model_path, profile.engine, job.sampling.seed),
         sampling=sampling_of(job.sampling),

@@ -4,6 +4,7 @@
 sample corpus memory pressure reaches the target and the engine preempts.
 """
 
+import os
 from collections import Counter
 from pathlib import Path
 
@@ -62,7 +63,10 @@ def test_controller_grew_and_backed_off(adaptive_run):
 
 def test_pressure_stays_near_the_target_after_warm_up(adaptive_run):
     target = adaptive_run.report["batching"]["memory_target"]
-    low, high = target - 0.15, target + 0.05
+    # Below: a bucket that backs off twice holds at a ceiling 5% under its second failing
+    # budget, and windows at one budget read ±0.04 apart (0.817-0.901 holding one ceiling,
+    # le512, with the engine core in the actor's process).
+    low, high = target - 0.16, target + 0.05
     warmed = 0
     for name, v in adaptive_run.report["batching"]["per_bucket"].items():
         steps = [s for s in v["trajectory"] if s["action"] != "start" and s["reason"] != "drain"]
@@ -129,3 +133,12 @@ def test_engine_death_rebuilds_the_engine_and_retries_the_rows(tiny_model, tmp_p
     before, after = rebuilds[0]["before"], rebuilds[0]["after"]
     assert after["max_num_seqs"] == before["max_num_seqs"] // 2
     assert after["gpu_memory_utilization"] < before["gpu_memory_utilization"]
+    # The drill kills the core, so it runs apart (engine.in_process); vLLM binds its CPU
+    # worker to cores of its own, and the driver moves the run's other processes off them.
+    assert len(run.report["engine"]["actors"][0]["pids"]) > 1 and run.engines_left == []
+    cpus = run.report["engine"]["cpus"]
+    if len(os.sched_getaffinity(0)) < 2:
+        assert cpus is None  # one CPU: nothing to keep apart
+    else:
+        assert cpus is not None and cpus["engine"] and cpus["others"], cpus
+        assert not set(cpus["engine"]) & set(cpus["others"]) and cpus["processes"] >= 3  # the driver, Ray's, the actor

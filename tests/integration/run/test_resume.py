@@ -55,6 +55,9 @@ def command(tmp: Path, tiny_model: Path, *extra: str, slow_s: float = 3.0) -> li
         "--set", "batching.learned_limits=null", "--set", "engine.max_model_len=8192",
         "--set", f"batching.prepare_batch_rows={ROWS_PER_FILE}", "--set", "batching.generate_batch_rows=16",
         "--set", "bucketing.window_rows=40",
+        # The engine core in a process of its own (on a CPU it runs in the actor's by
+        # default): the resumed run kills and stops cores as well as actors.
+        "--set", "engine.in_process=false",
         # Input that arrives slowly (`slow_s` per file): the run lasts long enough to be killed
         # mid-way (30 files, 1.5 s each: over a minute with the engine's start), and the resumed
         # run has rows waiting through its three restarts (20 files, 3 s each).

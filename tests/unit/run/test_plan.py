@@ -28,3 +28,22 @@ def test_an_explicit_dtype_or_a_gpu_is_left_as_asked():
     assert resolve_dtype(pinned, ["avx2"]) == (pinned, None)
     gpu = load_run_config(JOB, GPU, ["engine.dtype=auto"])
     assert resolve_dtype(gpu, ["avx2"]) == (gpu, None)
+
+
+def test_the_engine_core_runs_in_the_actors_process_on_a_cpu_and_apart_on_a_gpu():
+    from pipeline.run.plan import engine_in_process, generate_settings, prepare_settings
+
+    assert engine_in_process(load_run_config(JOB, LOCAL).profile)
+    assert not engine_in_process(load_run_config(JOB, GPU).profile)
+    assert not engine_in_process(load_run_config(JOB, LOCAL, ["engine.in_process=false"]).profile)
+    assert engine_in_process(load_run_config(JOB, GPU, ["engine.in_process=true"]).profile)
+    # Several devices per engine: its workers are processes of their own whatever is asked.
+    assert not engine_in_process(load_run_config(JOB, GPU, ["engine.in_process=true",
+                                                          "engine.tensor_parallel_size=2"]).profile)
+    # A drill that kills the core needs a core process to kill; an OOM raised here does not.
+    for kind, apart in (("engine_oom_death", True), ("engine_crash", True), ("oom", False)):
+        drill = load_run_config(JOB, LOCAL, ["debug.inject_oom_at_batch=2", f"debug.inject_oom_kind={kind}"])
+        assert engine_in_process(drill.profile) is not apart, kind
+    config = load_run_config(JOB, LOCAL)
+    settings = generate_settings(config, prepare_settings(config, "m", 2048), "run")
+    assert settings.engine.in_process
