@@ -447,14 +447,14 @@ class EngineFeeder:
     def unreported(self, bucket: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
         """The policy's steps and back-offs for `bucket`, and the preemptions, that no
         earlier call has reported."""
-        traj = self.policy.trajectory(bucket)
         steps_from, backoffs_from = self._trajectory_seen.get(bucket, (0, 0))
-        self._trajectory_seen[bucket] = (len(traj["steps"]), len(traj["backoffs"]))
+        traj = self.policy.trajectory(bucket, steps_from)
+        self._trajectory_seen[bucket] = (steps_from + len(traj["steps"]), len(traj["backoffs"]))
         now = self.preemptions()
         # Clamped: a rebuilt engine starts its counter again from 0.
         seen = now if self._preemptions_seen > now else self._preemptions_seen
         self._preemptions_seen = now
-        return traj["steps"][steps_from:], traj["backoffs"][backoffs_from:], now - seen
+        return traj["steps"], traj["backoffs"][backoffs_from:], now - seen
 
 
 def restore_engine(engine: Engine, error: Exception, request_ids: list[str]) -> bool:

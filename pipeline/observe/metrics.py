@@ -132,7 +132,7 @@ class EngineMeter:
         backoffs: Counter[str] = Counter()
         if self.policy is not None:
             for bucket in list(self.budget_rows):
-                for b in self.policy.trajectory(bucket).get("backoffs", []):
+                for b in self.policy.backoffs(bucket):
                     backoffs[str(b.get("reason", "unknown"))] += 1
         totals = getattr(self.feeder, "totals", None)
         generated = {"requests": getattr(totals, "finished_requests", 0),

@@ -259,12 +259,16 @@ class BatchSizeController:
         was learned, else the budget reached."""
         return {b: (s.ceiling if s.ceiling is not None else s.budget) for b, s in self.buckets.items()}
 
-    def trajectory(self, bucket: str) -> dict[str, Any]:
+    def backoffs(self, bucket: str) -> list[dict[str, Any]]:
+        s = self.buckets.get(bucket)
+        return list(s.backoffs) if s is not None else []
+
+    def trajectory(self, bucket: str, steps_from: int = 0) -> dict[str, Any]:
         s = self.buckets.get(bucket)
         if s is None:
             return {"steps": [], "backoffs": [], "ceiling": None, "budget": None, "peak_pressure": 0.0}
         return {
-            "steps": [asdict(x) for x in s.steps],
+            "steps": [asdict(x) for x in s.steps[steps_from:]],  # once each, not every call's
             "backoffs": list(s.backoffs),
             "ceiling": s.ceiling,
             "budget": s.budget,

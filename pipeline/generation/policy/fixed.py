@@ -61,9 +61,12 @@ class FixedBatchPolicy:
     def limit_rows(self, max_rows: int) -> None:
         """A fixed size is the user's choice: rows beyond the engine's own limit wait in its queue."""
 
-    def trajectory(self, bucket: str) -> dict[str, Any]:
+    def backoffs(self, bucket: str) -> list[dict[str, Any]]:
+        return list(self._backoffs.get(bucket, []))
+
+    def trajectory(self, bucket: str, steps_from: int = 0) -> dict[str, Any]:
         steps = self._seen.get(bucket, [])
-        return {"steps": steps, "backoffs": list(self._backoffs.get(bucket, [])), "ceiling": None, "budget": None,
+        return {"steps": steps[steps_from:], "backoffs": self.backoffs(bucket), "ceiling": None, "budget": None,
                 "peak_pressure": max((x["pressure"] for x in steps), default=0.0)}
 
     def learned_limits(self) -> dict[str, int]:

@@ -64,6 +64,9 @@ def test_recovers_from_out_of_memory_and_learns_a_ceiling_with_margin():
     assert all(b <= sim.capacity for b in budgets[2:])
     assert s.ceiling == int(180_000 * 0.95)  # what it learned: the failed budget less the margin
     assert budgets[-1] >= 0.8 * sim.capacity  # it regrew after the halving
+    whole = ctrl.trajectory("le256")
+    assert ctrl.trajectory("le256", steps_from=10)["steps"] == whole["steps"][10:]  # a call's unreported steps
+    assert ctrl.backoffs("le256") == whole["backoffs"] == s.backoffs
 
 
 def test_preemption_backs_off_by_ten_percent():

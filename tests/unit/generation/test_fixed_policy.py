@@ -59,6 +59,8 @@ def test_an_oom_halves_the_buckets_rows_down_to_one_and_the_size_holds():
     assert set(traj["backoffs"][0]) >= {"t", "reason", "from", "to", "ceiling", "pressure", "preemptions"}
     assert [s["rows"] for s in traj["steps"]] == [8, 4, 2, 1, 1, 1, 1]
     assert [s["action"] for s in traj["steps"]] == ["backoff"] * 6 + ["fixed"]
+    assert policy.trajectory("le128", steps_from=5)["steps"] == traj["steps"][5:]  # what a call has not reported
+    assert policy.backoffs("le128") == traj["backoffs"]
     assert [(b["from"], b["to"]) for b in policy.trajectory("le256")["backoffs"]] == [(6, 3)]
     assert policy.trajectory("le512")["backoffs"] == []
     assert policy.learned_limits() == {}

@@ -27,3 +27,15 @@ def test_engines_that_allocate_as_they_go_use_device_memory_directly():
 def test_real_host_memory_reading_is_a_fraction():
     r = MemoryProbe(kv_gauges=None, use_nvml=False).read()
     assert 0.0 < r.host < 1.0 and r.kv_cache is None and r.device is None
+
+
+def test_kv_every_reading_device_and_host_at_most_every_interval():
+    kv, host, reads = [0.1], [0.5], []
+    p = MemoryProbe(kv_gauges=lambda: (kv[0], 0), preallocated=False, use_nvml=False, every_s=60.0)
+    p.host_fraction = lambda: reads.append(1) or host[0]
+    assert p.read().pressure == 0.5
+    kv[0], host[0] = 0.8, 0.99
+    r = p.read()  # the KV gauge is fresh; host memory is the last reading, within the interval
+    assert r.kv_cache == 0.8 and r.host == 0.5 and len(reads) == 1
+    p.every_s = 0.0
+    assert p.read().pressure == 0.99 and len(reads) == 2  # past the interval: read again, and it guards

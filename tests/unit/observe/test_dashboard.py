@@ -103,8 +103,8 @@ class _Feeder:
 
 
 class _Policy:
-    def trajectory(self, bucket: str) -> dict[str, Any]:
-        return {"backoffs": [{"reason": "oom"}] if bucket == "long" else []}
+    def backoffs(self, bucket: str) -> list[dict[str, Any]]:
+        return [{"reason": "oom"}] if bucket == "long" else []
 
 
 def exported(vllm: list[dict[str, Any]]) -> dict[str, set[str]]:

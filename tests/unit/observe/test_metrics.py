@@ -23,8 +23,8 @@ def samples(text: str) -> dict[tuple[str, tuple], float]:
 
 
 class Policy:
-    def trajectory(self, bucket):
-        return {"backoffs": [{"reason": "preemption"}, {"reason": "oom"}] if bucket == "le256" else []}
+    def backoffs(self, bucket):
+        return [{"reason": "preemption"}, {"reason": "oom"}] if bucket == "le256" else []
 
 
 def meter(engine="e1", incarnation="i1", sent=None):
