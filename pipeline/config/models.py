@@ -412,7 +412,6 @@ class BucketingConfig(_Section):
         "decodes; ascending: short buckets first, the longest last. Either way no block's call mixes buckets.",
     )
 
-
     @field_validator("grouping", mode="before")
     @classmethod
     def _yaml_off(cls, value: Any) -> Any:
@@ -449,9 +448,10 @@ class BatchingConfig(_Section):
         "boundary costs no drain.",
     )
     concurrent_batches: int = Field(
-        4, gt=0,
+        8, gt=0,
         description="Blocks each engine actor serves at once (and the most Ray Data hands it ahead): enough "
-        "rows to keep its engine full between blocks.",
+        "rows to keep its engine full between blocks. At 4 x 128 rows vLLM's queue ran dry every few blocks "
+        "(bench/README.md, engine steps); 8 keeps it stocked.",
     )
     learned_limits: str | None = Field(
         None,

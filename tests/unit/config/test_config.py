@@ -167,7 +167,7 @@ def test_the_restart_policy_has_its_own_section():
 def test_grouping_streams_by_window_by_default():
     profile = load_run_config(JOB, LOCAL).profile
     assert profile.bucketing.grouping == "window" and profile.bucketing.window_rows == 4096
-    assert profile.batching.concurrent_batches == 4 and profile.batching.generate_batch_rows == 128
+    assert profile.batching.concurrent_batches == 8 and profile.batching.generate_batch_rows == 128
     assert load_run_config(JOB, LOCAL, ["bucketing.grouping=global"]).profile.bucketing.grouping == "global"
     with pytest.raises(ConfigError, match="bucketing.grouping"):
         load_run_config(JOB, LOCAL, ["bucketing.grouping=per_batch"])
