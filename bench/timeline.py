@@ -94,7 +94,9 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         f"Measured {result['finished_at']} at {result['commit']} on {m.get('cpu')}, {m.get('cores')} cores; "
         f"CPU flags {', '.join(m.get('cpu_flags') or []) or 'unknown'}. `make bench-timeline` "
-        f"(`python -m bench.timeline --rows {result['rows']}`), one run each, {result['profile']}, the tiny model.",
+        f"(`python -m bench.timeline --rows {result['rows']}"
+        + "".join(f" --set {s}" for s in result.get("pipeline_sets", []))
+        + f"`), one run each, {result['profile']}, the tiny model.",
         "",
         "![steps](" + Path(result["plot"]).name + ")",
         "",
@@ -123,7 +125,9 @@ def commit() -> str:
 @click.option("--rows", type=click.IntRange(1), default=4000, show_default=True, help="Rows of the synthetic corpus.")
 @click.option("--out", default="bench/results/timeline_4k", show_default=True,
               help="Results as OUT.json, OUT.md and OUT.png.")
-def main(rows: int, out: str) -> None:
+@click.option("--set", "pipeline_sets", multiple=True, metavar="KEY=VALUE",
+              help="A profile setting for the pipeline's run only (repeatable), e.g. batching.concurrent_batches=8.")
+def main(rows: int, out: str, pipeline_sets: tuple[str, ...]) -> None:
     """Every engine step of raw LLM.generate and of the pipeline, on the same corpus."""
     from pipeline.tools.dev.corpus import write_corpus
 
@@ -136,14 +140,16 @@ def main(rows: int, out: str) -> None:
         corpus = write_corpus(work / "corpus.parquet", rows=rows, seed=0)
         warm_model(PROFILE, sets, work)
         for name in SYSTEMS:
-            r = run_system(name, sets, corpus, work, timeline=True)
+            own = [*sets, *pipeline_sets] if name == "pipeline" else sets
+            r = run_system(name, own, corpus, work, timeline=True)
             systems[name] = {"wall_s": r["wall_s"], "output_tokens": r["output_tokens"],
                              "engines": [summary(s) for s in r["step_timeline"]], "steps": r["step_timeline"]}
             click.echo(f"{name}: wall {r['wall_s']:.1f} s, " + "; ".join(
                 f"{s['steps']} steps, gap share {s.get('gap_share')}" for s in systems[name]["engines"]))
     png = out_path.with_suffix(".png")
     plot({name: r["steps"] for name, r in systems.items()}, png)
-    result = {"rows": rows, "job": JOB, "profile": PROFILE, "sets": sets, "commit": commit(),
+    result = {"rows": rows, "job": JOB, "profile": PROFILE, "sets": sets, "pipeline_sets": list(pipeline_sets),
+              "commit": commit(),
               "finished_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": describe(),
               "plot": str(png), "systems": systems}
     out_path.with_suffix(".json").write_text(json.dumps(result))
