@@ -151,9 +151,10 @@ class Engine(Protocol):
         """Replace a dead engine with one that asks for less memory."""
         ...
 
-    def kill_core(self, memory: bool = False) -> None:
+    def kill_core(self, memory: bool = False) -> bool:
         """Fault injection and the stall watchdog: end the engine's core abruptly, as the
-        kernel's OOM killer would (`memory`: as if it died of memory)."""
+        kernel's OOM killer would (`memory`: as if it died of memory). False: it found no
+        core process to end."""
         ...
 
     def metric_families(self) -> list[dict[str, Any]]:

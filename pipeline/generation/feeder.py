@@ -65,10 +65,14 @@ class FaultInjector:
     def check(self, window: int, engine: Engine) -> None:
         if not self.pending or window < self.pending[0][0]:
             return
-        _, kind = self.pending.pop(0)
+        kind = self.pending[0][1]
         if kind in ("engine_oom_death", "engine_crash"):
-            engine.kill_core(memory=kind == "engine_oom_death")
+            # Once a core process was found and ended: a drill that found none (the core
+            # not listed yet, or run in this process) tries again at the next step.
+            if engine.kill_core(memory=kind == "engine_oom_death"):
+                self.pending.pop(0)
             return
+        self.pending.pop(0)
         raise InjectedOutOfMemory(f"CUDA out of memory (injected at batch {window})")
 
 

@@ -299,8 +299,9 @@ class TransformersEngine:
         """Not recorded: a static batch is one `generate` call, not steps."""
         return None
 
-    def kill_core(self, memory: bool = False) -> None:
+    def kill_core(self, memory: bool = False) -> bool:
         """There is no core process apart from this one: a hung step ends with the actor."""
+        return False
 
     def close(self) -> None:
         self._queue.clear()

@@ -253,15 +253,18 @@ class VLLMEngine:
                 continue
         return found
 
-    def kill_core(self, memory: bool = False) -> None:
+    def kill_core(self, memory: bool = False) -> bool:
         """SIGKILL the engine core, so vLLM itself finds it dead: a fault injection
         (`memory`: as if it had said it ran out of memory), and how a stalled core ends."""
         import signal
 
-        self._dies_of_memory = memory
-        for pid in self.core_pids():
+        pids = self.core_pids()
+        self._dies_of_memory = memory and bool(pids)
+        for pid in pids:
             os.kill(pid, signal.SIGKILL)
-        time.sleep(0.5)  # let vLLM notice before the next step
+        if pids:
+            time.sleep(0.5)  # let vLLM notice before the next step
+        return bool(pids)
 
     # -- driving it --------------------------------------------------------------
 

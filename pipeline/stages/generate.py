@@ -295,7 +295,7 @@ class GenerateStage:
         meter.start()
         return meter
 
-    def _kill_core(self) -> Callable[[], None]:
+    def _kill_core(self) -> Callable[[], object]:
         return self.engine.kill_core
 
     def engine_info(self) -> dict[str, Any]:

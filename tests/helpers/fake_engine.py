@@ -88,6 +88,7 @@ class FakeEngine:
 
     def kill_core(self, memory=False):
         self.dead, self.dead_of_memory = True, memory
+        return True
 
     def metric_families(self):
         return []
@@ -156,7 +157,7 @@ class FakeDevice:
         pass
 
     def kill_core(self, memory=False):
-        pass
+        return False
 
     def metric_families(self):
         return []

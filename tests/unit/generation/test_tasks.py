@@ -134,3 +134,20 @@ def test_several_faults_fire_once_each_in_window_order():
     assert all(c.error is None for _, c in out.values())
     assert calls.calls.feeder.totals.oom_retries == 2 and len(engine.rebuilds) == 1
     assert faults.pending == []
+
+
+def test_a_core_drill_waits_for_a_core_process_to_end():
+    class Unlisted(FakeEngine):
+        """An engine whose core is not found the first two times it is looked for."""
+        tries = 0
+
+        def kill_core(self, memory=False):
+            self.tries += 1
+            return self.tries > 2 and super().kill_core(memory)
+
+    engine = Unlisted()
+    faults = FaultInjector(at=1, kind="engine_oom_death")
+    calls = calls_over(engine, FixedBatchPolicy(4), faults)
+    out = summarize(calls, [("le128", list(range(24)))], [[1] * 20] * 24, Sampling(4))
+    assert all(c.error is None for _, c in out.values())
+    assert engine.tries == 3 and len(engine.rebuilds) == 1 and faults.pending == []
