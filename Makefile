@@ -73,9 +73,9 @@ test-tools:
 	  echo "could not install $(PROM_PKGS): the metrics tests will say so in their skip reasons"; }
 
 # The pipeline against raw vLLM, Ray Data LLM, a pool of 2 engines and its own ablations,
-# interleaved, 3 runs each (bench/compare.py). Measured on 2 cores (AVX-512): about 15 minutes with
-# BENCH_ARGS="--rows 4000 --scaling --system raw,ray-data-llm,pipeline,pipeline-2 --out bench/results/pool_4k";
-# 8 minutes at --rows 16000 --repeats 1 with the same systems (bench/results/pool_16k).
+# interleaved, 3 runs each (bench/compare.py). Measured on 2 cores (AVX-512): 8 minutes with
+# BENCH_ARGS="--rows 4000 --system raw,ray-data-llm,pipeline --out bench/results/pool_4k", 15 minutes
+# at --rows 16000 with the same systems (bench/results/pool_16k).
 bench: $(STAMP)
 	$(BIN)/python -m bench $(BENCH_ARGS)
 
