@@ -202,9 +202,13 @@ class BatchSizeController:
         prev = max(smaller)
         total, count = s.throughput[prev]
         base = total / count
-        if base <= 0:
+        doublings = math.log2(s.budget / prev)
+        if base <= 0 or doublings < 1 / 16:  # budgets within 4% of each other: nothing to tell apart
             return None
-        return (throughput / base) ** (1 / math.log2(s.budget / prev)) - 1
+        if throughput <= 0:
+            return -1.0
+        # In logs, clamped: a ratio raised to 1/doublings overflowed a float (CI, 2026-12-02).
+        return math.exp(min(math.log(throughput / base) / doublings, 20.0)) - 1
 
     def observe(self, bucket: str, obs: Observation) -> None:
         """Update `bucket`'s budget from one window's outcome."""

@@ -7,6 +7,8 @@ budget fills; a budget past `capacity` runs out of memory (hard), one past
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from pipeline.generation.policy import BatchSizeController, ControllerSettings, Observation
@@ -145,3 +147,17 @@ def test_a_drained_window_does_not_move_the_budget():
     # ...but a failure during a drain still backs off.
     ctrl.observe("le128", Observation(pressure=1.0, throughput=0, rows=0, oom=True, drained=True))
     assert ctrl.budget("le128", 100) == 5_000
+
+
+def test_gain_between_near_equal_budgets_is_not_asked_and_never_overflows():
+    ctrl = BatchSizeController(learned={"le256": 100_000})
+    ctrl.budget("le256", 300)  # the bucket's state, started from what was learned
+    s = ctrl.buckets["le256"]
+    s.throughput = {99_999: (1.0, 1)}
+    s.budget = 100_000
+    assert ctrl._gain(s, 1e6) is None  # a budget 0.001% larger: no gain per doubling to speak of
+    s.throughput = {50_000: (1.0, 1)}
+    assert ctrl._gain(s, 4.0) == pytest.approx(3.0)  # 4x the throughput for one doubling
+    s.throughput = {90_000: (1e-300, 1)}
+    assert math.isfinite(ctrl._gain(s, 1e300))  # clamped, where the power overflowed a float
+    assert ctrl._gain(s, 0.0) == -1.0
