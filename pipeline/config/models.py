@@ -409,7 +409,8 @@ class BucketingConfig(_Section):
         "interleaved",
         description="window grouping: the order of a window's blocks. interleaved: each bucket's blocks spread "
         "evenly through the window, so a continuous-batching engine prefills long prompts beside short ones' "
-        "decodes; ascending: short buckets first, the longest last. Either way no block's call mixes buckets.",
+        "decodes (vLLM only: the transformers backend's static batches keep ascending); ascending: short buckets "
+        "first, the longest last. Either way no block's call mixes buckets.",
     )
 
     @field_validator("grouping", mode="before")

@@ -303,7 +303,9 @@ def build_dataset(ctx: RunContext, target: OutputTarget) -> tuple[Any, PrepareSe
         # Streaming: each window of prepared rows ordered by bucket, nothing waits for the corpus.
         # Then cut into blocks of an engine's batch: Ray Data hands out blocks, not
         # batches, so a window left whole would go to one engine (streaming, no shuffle).
-        interleaved = profile.bucketing.window_order == "interleaved"
+        # Interleaving helps an engine that batches continuously (vLLM); static batches
+        # (transformers) are one call's rows each, so they keep the buckets in order.
+        interleaved = profile.bucketing.window_order == "interleaved" and profile.engine.backend == "vllm"
         ds = (ds.map_batches(group_window, batch_size=profile.bucketing.window_rows, batch_format="pyarrow",
                              fn_kwargs={"block_rows": profile.batching.generate_batch_rows if interleaved else None},
                              num_cpus=0.1, concurrency=1)

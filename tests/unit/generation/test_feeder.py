@@ -7,6 +7,8 @@ when an out-of-memory strikes.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from pipeline.generation.engine import Sampling
@@ -34,8 +36,17 @@ def test_admits_up_to_the_budget_and_keeps_the_engine_full():
     assert out.record.busy_s >= out.record.step_s > 0
 
 
+class EvenSteps(FakeEngine):
+    """Each step takes 2 ms: fill is weighted by time, and microsecond steps on a busy
+    machine weigh whatever the scheduler made of them."""
+
+    def step(self):
+        time.sleep(0.002)
+        return super().step()
+
+
 def test_drain_feed_waits_for_the_whole_batch():
-    engine = FakeEngine(vary=True)
+    engine = EvenSteps(vary=True)
     feeder = EngineFeeder(engine, FixedBatchPolicy(8), feed="drain")
     sizes = []
     original = engine.submit
@@ -49,7 +60,7 @@ def test_drain_feed_waits_for_the_whole_batch():
     # New rows are only admitted into an empty engine: 8, 8, then 4.
     assert [s for s in sizes if s == 0] == [0, 0, 0]
     # Stragglers leave a drained batch part-empty; continuous feeding refills it.
-    continuous = EngineFeeder(FakeEngine(vary=True), FixedBatchPolicy(8)).serve("le128", rows(20), SAMPLING)
+    continuous = EngineFeeder(EvenSteps(vary=True), FixedBatchPolicy(8)).serve("le128", rows(20), SAMPLING)
     assert out.record.fill < 0.9 and continuous.record.fill > out.record.fill
 
 
