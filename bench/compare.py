@@ -559,6 +559,12 @@ def pool_span_s(actors: list[dict[str, Any]]) -> float | None:
     return round(max(end for _, end in spans) - min(start for start, _ in spans), 4)
 
 
+def git_commit() -> str:
+    """The repository's short HEAD, for a result's header ("unknown" outside git)."""
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    return done.stdout.strip() or "unknown"
+
+
 def run_system(name: str, sets: list[str], corpus: Path, work: Path, grace_s: float = LINGER_GRACE_S,
                profile: str = PROFILE, timeline: bool = False) -> dict[str, Any]:
     """One run of system `name` on `corpus` with `profile`, in its own process; its measurements.

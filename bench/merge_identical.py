@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -24,7 +23,7 @@ from statistics import median
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from bench.compare import run_process
+from bench.compare import git_commit, run_process
 from pipeline.observe.machine import describe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -81,9 +80,8 @@ def main() -> None:
                 print(name, json.dumps(runs[name][-1]), flush=True)
 
     summary = {name: {k: median(x[k] for x in rs) for k in rs[0]} for name, rs in runs.items()}
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
     Path(args.out + ".json").write_text(json.dumps(
-        {"machine": describe(), "commit": commit.strip(), "rows": args.rows, "share": args.share,
+        {"machine": describe(), "commit": git_commit(), "rows": args.rows, "share": args.share,
          "distinct_prompts": distinct, "runs": runs, "medians": summary}, indent=2))
     on, off = summary["merged"], summary["every row its own"]
     machine = describe()

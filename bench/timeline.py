@@ -24,7 +24,7 @@ from typing import Any
 
 import click
 
-from bench.compare import JOB, PROFILE, REPO, SYNTHETIC, run_system, warm_model
+from bench.compare import JOB, PROFILE, SYNTHETIC, git_commit, run_system, warm_model
 from pipeline.observe.machine import describe
 
 SYSTEMS = ("raw", "pipeline")
@@ -114,13 +114,6 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def commit() -> str:
-    import subprocess
-
-    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    return done.stdout.strip() or "unknown"
-
-
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--rows", type=click.IntRange(1), default=4000, show_default=True, help="Rows of the synthetic corpus.")
 @click.option("--out", default="bench/results/timeline_4k", show_default=True,
@@ -149,7 +142,7 @@ def main(rows: int, out: str, pipeline_sets: tuple[str, ...]) -> None:
     png = out_path.with_suffix(".png")
     plot({name: r["steps"] for name, r in systems.items()}, png)
     result = {"rows": rows, "job": JOB, "profile": PROFILE, "sets": sets, "pipeline_sets": list(pipeline_sets),
-              "commit": commit(),
+              "commit": git_commit(),
               "finished_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": describe(),
               "plot": str(png), "systems": systems}
     out_path.with_suffix(".json").write_text(json.dumps(result))

@@ -42,7 +42,7 @@ from pipeline.config import AdaptivePolicy, RunConfig
 from pipeline.storage.inputs import InputError, check_inputs, duplicate_ids
 from pipeline.observe.metrics import RunLabels, RunMetrics, Watch
 from pipeline.storage.output import OutputTarget, PublishError
-from pipeline.run.plan import engine_description, generate_settings, prepare_settings, resolve_dtype
+from pipeline.run.plan import engine_description, engine_in_process, generate_settings, prepare_settings, resolve_dtype
 from pipeline.run.affinity import EngineCpuGuard
 from pipeline.run.pool import EnginePool, end_engine_processes, runtime_env
 from pipeline.observe.progress import progress_for
@@ -331,7 +331,10 @@ def run_dataset(ctx: RunContext, ds: Any, prepare: PrepareSettings, target: Outp
     pool.open()
     metrics.attach(pool.gate.metrics)
     guard = None
-    if hw.accelerator == "cpu" and not hw.ray_address and hw.isolate_engine_cpus and engine.backend == "vllm":
+    # Only an engine core apart has workers bound to cores of their own: in the actor's
+    # process (`engine.in_process`) there is nothing to keep apart, and nothing to poll for.
+    if (hw.accelerator == "cpu" and not hw.ray_address and hw.isolate_engine_cpus and engine.backend == "vllm"
+            and not engine_in_process(config.profile)):
         guard = EngineCpuGuard(pool.gate.worker_cpus, engines=hw.num_engines)
         guard.start()
     try:
