@@ -105,6 +105,11 @@ class EngineMeter:
         self.map_reduce = 0  # documents of this engine in map-reduce now
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # One snapshot taken and sent at a time, numbered: the timer's and a batch's sends
+        # otherwise race, and an older snapshot sent last hid the batch's rows for good
+        # once the actor was gone (the final display said 90%, not 100%).
+        self._sending = threading.Lock()
+        self._seq = 0
 
     def count(self, status: list[str], buckets: list[str | None], prompt_tokens: int, output_tokens: int) -> None:
         with self._lock:
@@ -154,7 +159,9 @@ class EngineMeter:
 
     def send(self) -> None:
         try:
-            self._send(self.incarnation, self.snapshot())
+            with self._sending:
+                self._seq += 1
+                self._send(self.incarnation, {**self.snapshot(), "seq": self._seq})
         except Exception as e:  # metrics never cost a row
             log.debug("could not send engine metrics: %s", e)
 

@@ -209,7 +209,10 @@ class PoolLog:
         return self.warnings.first_time(key)
 
     def meter(self, incarnation: str, snapshot: dict[str, Any]) -> None:
-        self.snapshots[incarnation] = snapshot
+        # The newest by the engine's own count: an async actor may run two sends out of order.
+        last = self.snapshots.get(incarnation)
+        if last is None or snapshot.get("seq", 0) >= last.get("seq", 0):
+            self.snapshots[incarnation] = snapshot
 
     def engine_cpus(self, incarnation: str, workers: dict[int, list[int]]) -> None:
         self.cpus[incarnation] = workers

@@ -4,6 +4,7 @@ Pushgateway are real (Debian's pushgateway, started by the test)."""
 
 import io
 import json
+import threading
 import time
 import urllib.request
 from types import SimpleNamespace
@@ -34,7 +35,8 @@ def meter(engine="e1", incarnation="i1", sent=None):
     vllm = [{"name": "vllm:num_requests_running", "type": "gauge", "doc": "running",
              "samples": [("vllm:num_requests_running", {"engine": "0", "model_name": "tiny"}, 5.0)]}]
     gauges = SimpleNamespace(kv_gauges=lambda: (0.42, 0), metric_families=lambda: vllm)
-    return EngineMeter(engine, incarnation, "node-a", lambda who, snap: (sent or []).append((who, snap)),
+    sent = sent if sent is not None else []
+    return EngineMeter(engine, incarnation, "node-a", lambda who, snap: sent.append((who, snap)),
                        MeterSources(feeder, Policy(), gauges))
 
 
@@ -228,6 +230,36 @@ def test_the_pool_log_gives_every_incarnations_snapshot_and_restarts_per_engine(
     got = log.metrics()
     assert sorted(s["at"] for s in got["snapshots"]) == [1, 3]
     assert got["restarts"] == {"ab12cd34": 1} and got["stalls"] == {"ab12cd34": 1}
+
+
+def test_the_pool_log_keeps_an_engines_newest_snapshot_whatever_order_they_arrive_in():
+    from pipeline.run.pool import PoolLog
+
+    log = PoolLog(engines=1)
+    log.meter("i1", {"engine": "e1", "seq": 2, "rows": [["ok", "le256", 10]]})
+    log.meter("i1", {"engine": "e1", "seq": 1, "rows": [["ok", "le256", 9]]})  # taken first, sent last
+    assert [s["seq"] for s in log.metrics()["snapshots"]] == [2]
+
+
+def test_an_engines_snapshots_go_out_in_the_order_they_were_taken_from_any_thread():
+    """The timer's send and a batch's race: each snapshot is numbered and sent before the
+    next is taken, so the last one out holds every row counted."""
+    sent = []
+    m = meter(sent=sent)
+
+    def batches():
+        for _ in range(50):
+            m.count(["ok"], ["le256"], 1, 1)
+            m.send()
+
+    threads = [threading.Thread(target=batches) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    seqs = [snap["seq"] for _, snap in sent]
+    assert seqs == list(range(1, 201))
+    assert sent[-1][1]["rows"] == [["ok", "le256", 200]]
 
 
 def test_a_finished_run_waits_for_the_engines_last_snapshots_before_the_pool_goes():
