@@ -33,12 +33,50 @@ EXIT_FAILED = 1
 EXIT_ERROR_RATE = 3
 
 
+RAY_EXIT_GRACE_S = 5.0  # the most a local Ray's workers get to end on their own after its shutdown
+
+
 def _stop_ray() -> None:
     """Stop the Ray this process started, if any: its workers log to this process as they
-    go (a dying actor's last words among them), and nothing of theirs may follow ours."""
+    go (a dying actor's last words among them), and nothing of theirs may follow ours.
+    A local instance's processes (its GCS, raylet and every worker under them, engine
+    actors too) are gone when this returns: Ray's shutdown kills the first and leaves the
+    workers to notice in their own time, which on a loaded machine took seconds, so those
+    still there after RAY_EXIT_GRACE_S are killed. Never a process Ray did not start here."""
     ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized():
-        ray.shutdown()
+    if ray is None or not ray.is_initialized():
+        return
+    ours = _local_ray_processes()
+    ray.shutdown()
+    if ours:
+        import psutil
+
+        _, left = psutil.wait_procs(ours, timeout=RAY_EXIT_GRACE_S)
+        for p in left:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(left, timeout=RAY_EXIT_GRACE_S)
+
+
+def _local_ray_processes() -> list[Any]:
+    """The processes of the Ray instance this process started (none where it joined a
+    cluster): those Ray's node records, and every process under them."""
+    import psutil
+    from ray._private import worker
+
+    node = worker._global_node
+    if node is None:
+        return []
+    out = []
+    for _, process in node.live_processes():
+        try:
+            root = psutil.Process(process.pid)
+            out += [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+    return out
 
 
 def _fail(code: int, message: str) -> None:
@@ -104,7 +142,10 @@ def chatter_to_log(name: str, verbose: bool) -> Iterator[Any]:
     from pipeline.observe.runlog import Terminal, quiet_output
 
     if verbose:
-        yield Terminal(sys.stdout, sys.stderr)
+        try:
+            yield Terminal(sys.stdout, sys.stderr)
+        finally:
+            _stop_ray()
         return
     folder = Path(os.environ["PIPELINE_LOG_DIR"]) if os.environ.get("PIPELINE_LOG_DIR") else cache_dir() / "logs"
     path = folder / f"{name}-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-{os.getpid()}.log"
