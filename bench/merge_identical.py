@@ -14,35 +14,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import tempfile
 from pathlib import Path
 from statistics import median
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 
-from bench.compare import git_commit, run_process
+from bench.compare import git_commit, run_process, with_repeats
 from pipeline.observe.machine import describe
 
 REPO = Path(__file__).resolve().parents[1]
 SYSTEMS = {"merged": "true", "every row its own": "false"}
-
-
-def with_repeats(corpus: pa.Table, share: float, seed: int = 0) -> pa.Table:
-    """`corpus` with `share` of its rows' text and source replaced by another row's, ids kept."""
-    rng = random.Random(seed)
-    n = corpus.num_rows
-    copies = rng.sample(range(n), round(share * n))
-    texts, sources = corpus.column("text").to_pylist(), corpus.column("source").to_pylist()
-    for i in copies:
-        j = rng.randrange(n)
-        while j in copies:
-            j = rng.randrange(n)
-        texts[i], sources[i] = texts[j], sources[j]
-    return corpus.set_column(corpus.schema.get_field_index("text"), "text", pa.array(texts, pa.string())) \
-        .set_column(corpus.schema.get_field_index("source"), "source", pa.array(sources, pa.string()))
 
 
 def run(corpus: Path, out: Path, merge: str) -> dict:
