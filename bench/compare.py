@@ -852,10 +852,11 @@ def header_markdown(result: dict[str, Any]) -> list[str]:
     m, variant = result["machine"], VARIANTS[result.get("variant", SYNTHETIC.name)]
     dtype = result.get("dtype") or {}
     why = f" ({dtype['why']})" if dtype.get("why") else ""
+    at = f" at {result['commit']}" if result.get("commit") else ""
     lines = [
         f"# Benchmark: {variant.title} ({result['rows']:,} rows)",
         "",
-        f"{result['finished_at']} · {m['cpu']} ({', '.join(m.get('cpu_flags') or ['no AVX2/AVX-512'])}), "
+        f"{result['finished_at']}{at} · {m['cpu']} ({', '.join(m.get('cpu_flags') or ['no AVX2/AVX-512'])}), "
         f"{m['cores']} cores, {m['memory_gib']} GiB · "
         f"vllm {m['versions'].get('vllm')}, ray {m['versions'].get('ray')}, torch {m['versions'].get('torch')} · "
         f"model {result['model']}, {result['max_new_tokens']} new tokens per row · "
@@ -967,7 +968,8 @@ def bench_result(plan: Plan, config: Any, dtype: dict[str, str] | None, rows: in
         "max_new_tokens": config.job.sampling.max_new_tokens, "job": JOB, "profile": v.profile,
         "corpus": v.corpus_kind, "sets": list(v.sets),
         "dtype": dtype or {"dtype": config.profile.engine.dtype, "why": None},
-        "finished_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": describe(),
+        "finished_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": git_commit(),
+        "machine": describe(),
         "systems": table, "goals": goal_verdicts(table, rows, v.goals), "goals_checked": bool(v.goals),
         "repeat_share": v.repeat_share,
         "baseline": baseline(table, v.baseline_for), "pool_speedup": pool_speedup(table),
