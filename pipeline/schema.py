@@ -57,6 +57,10 @@ GENERATED_FIELDS: tuple[pa.Field, ...] = (
     pa.field("latency_s", pa.float64()),
     pa.field("model", pa.string()),
     pa.field("run_id", pa.string(), nullable=False),
+    # A digest of everything that determines the row's result, prefixed by its version
+    # (`pipeline.generation.result_key`): equal keys, equal results. Null where there is
+    # none: no prompt, sampling without a seed, or a model known only by its hub id.
+    pa.field("result_key", pa.string()),
 )
 GENERATED_COLUMNS: tuple[str, ...] = tuple(f.name for f in GENERATED_FIELDS)
 

@@ -203,6 +203,9 @@ class RunReport:
     # Resume, engine restarts, stalls, engine deaths and failed starts: when, why, and the rows each affected.
     incidents: list[dict[str, Any]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    # What every row's `result_key` is made of: its version, the model's content digest,
+    # the run's share (`base`), or why there are no keys (`off`).
+    result_key: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -268,6 +271,7 @@ class RunContext:
     plot_path: str | None = None
     publish: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    result_key: dict[str, Any] = field(default_factory=dict)  # `pipeline.run.plan.result_keys`
 
     def wall_s(self) -> float:
         return time.monotonic() - self.started
@@ -314,7 +318,7 @@ def build_report(ctx: RunContext, engine_settings: dict[str, Any]) -> RunReport:
         length={**job.length.model_dump(), "percentile_cap_tokens": ctx.percentile_cap,
                 "truncated": written["truncated"], "chunked": written["chunked"]},
         plot_path=ctx.plot_path, report_path=f"{job.output.path.rstrip('/')}/{REPORT_NAME}",
-        publish=ctx.publish, warnings=ctx.warnings,
+        publish=ctx.publish, warnings=ctx.warnings, result_key=ctx.result_key,
     )
 
 

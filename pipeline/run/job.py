@@ -42,7 +42,8 @@ from pipeline.config import AdaptivePolicy, RunConfig
 from pipeline.storage.inputs import InputError, check_inputs, duplicate_ids
 from pipeline.observe.metrics import RunLabels, RunMetrics, Watch
 from pipeline.storage.output import OutputTarget, PublishError
-from pipeline.run.plan import engine_description, engine_in_process, generate_settings, prepare_settings, resolve_dtype
+from pipeline.run.plan import (engine_description, engine_in_process, generate_settings, prepare_settings,
+                               resolve_dtype, result_keys)
 from pipeline.run.affinity import EngineCpuGuard
 from pipeline.run.pool import EnginePool, end_engine_processes, runtime_env
 from pipeline.observe.progress import progress_for
@@ -340,8 +341,9 @@ def run_dataset(ctx: RunContext, ds: Any, prepare: PrepareSettings, target: Outp
         guard.start()
     try:
         # Each engine warning once per run, unless --verbose.
+        ctx.result_key = result_keys(config, prepare)
         settings = replace(generate_settings(config, prepare, ctx.run_id, quiet_warnings=not verbose),
-                           pool_gate=pool.gate)
+                           pool_gate=pool.gate, result_key_base=ctx.result_key["base"])
         ds = with_engines(ds, config, settings, ctx.start_limits, pool)
         sink = ParquetPartsSink(target.staging, ctx.run_id, ctx.out_schema,
                                 key_columns(job.input.id_column, job.passages is not None), previous=committed.parts,

@@ -9,12 +9,15 @@ config key that moves changes here and in the config models, nowhere else.
 from __future__ import annotations
 
 from dataclasses import asdict, replace
+from pathlib import Path
 from typing import Any
 
 from pipeline.config import EngineConfig, ProfileConfig, RunConfig, SamplingConfig
 from pipeline.generation.engine import Sampling
 from pipeline.generation.hf import HFSettings
+from pipeline.generation.result_key import KEY_VERSION, run_key_base
 from pipeline.generation.vllm import VLLMSettings
+from pipeline.models.digest import model_digest
 from pipeline.observe.machine import cpu_flags
 from pipeline.stages.generate import AnnotationSettings, GenerateSettings
 from pipeline.stages.prepare import PrepareSettings, Prompt
@@ -164,3 +167,29 @@ def generate_settings(config: RunConfig, prepare: PrepareSettings, run_id: str,
         fail_on_start=profile.debug.engine_fails_on_start,
         quiet_warnings=quiet_warnings,
     )
+
+
+def result_keys(config: RunConfig, prepare: PrepareSettings) -> dict[str, Any]:
+    """The run's share of every row's result key (`pipeline.generation.result_key`), for
+    the generate stage and the report: {version, model_digest, base, off}; `base` None
+    and `off` saying why where the run's results cannot be keyed. The model is digested by
+    content (`pipeline.models.digest`: once per folder, then kept with its files' sizes
+    and times)."""
+    sampling = sampling_of(config.job.sampling)
+    out: dict[str, Any] = {"version": KEY_VERSION, "model_digest": None, "base": None, "off": None}
+    if not Path(prepare.model_path).exists():
+        out["off"] = f"model {config.profile.model.name!r} is a hub id: no files to key its results on"
+        return out
+    if sampling.temperature > 0 and sampling.seed is None:
+        out["off"] = "sampling with a temperature and no seed: every result is its own"
+        return out
+    job, engine = config.job, config.profile.engine
+    out["model_digest"] = model_digest(prepare.model_path)
+    out["base"] = run_key_base(
+        out["model_digest"], sampling,
+        {"backend": engine.backend, "dtype": engine.dtype, "max_model_len": prepare.max_model_len,
+         "structured_outputs_backend": engine.structured_outputs_backend, "extra": engine.extra},
+        {"prompt": prepare.prompt, "annotation_prompt": prepare.annotation_prompt, "annotations": job.annotations,
+         "annotation_max_new_tokens": prepare.annotation_max_new_tokens, "length": job.length,
+         "passages": job.passages, "null_as": prepare.null_as})
+    return out

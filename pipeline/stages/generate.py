@@ -55,6 +55,7 @@ from pipeline.config.models import BatchPolicyConfig
 from pipeline.generation.engine import Completion, Engine, EngineCrashed, Sampling
 from pipeline.generation.feeder import EngineFeeder, FaultInjector
 from pipeline.generation.merge import IdenticalPrompts
+from pipeline.generation.result_key import result_key
 from pipeline.generation.policy import (BatchPolicy, BatchSizeController, ControllerSettings, FixedBatchPolicy,
                                         static_batch_settings)
 from pipeline.generation.tasks import (Annotation, AnnotationTask, BatchCalls, ChunkText, EngineCalls, annotate,
@@ -121,6 +122,7 @@ class GenerateSettings:
     feed: str = "continuous"
     grouping: str = "global"
     merge_identical_prompts: bool = True
+    result_key_base: str | None = None  # the run's share of each row's result key; None: no keys
     annotations: AnnotationSettings | None = None
     chunk_overlap: int = 64
     inject_faults: tuple[tuple[int, str], ...] = ()  # drills: (window, kind) each, once each
@@ -258,6 +260,7 @@ class GenerateStage:
         self.grouping = settings.grouping
         self.model_name = settings.model_name
         self.run_id = settings.run_id
+        self.result_key_base = settings.result_key_base
         self.bucketer = LengthBucketer(settings.prepare.bucket_boundaries)
         self.life = Lifeline(settings.pool_gate, exit_process)
         self.actor = self.life.incarnation
@@ -414,12 +417,14 @@ class GenerateStage:
         calls = self.calls.batch()
         self._whole_documents(batch, rows, calls)
         self._chunked_documents(batch, rows, calls)
+        keys = self._result_keys(batch)
         out = batch.drop_columns([c for c in (schema.PROMPT_TOKEN_IDS, schema.CHUNK_TEXTS, "status", "error",
                                               schema.ANNOTATION_TOKEN_IDS) if c in batch.column_names])
         columns = rows.columns(self.parser, self.annotations.column_prefix if self.annotations else "")
         columns |= {
             "model": pa.array([self.model_name] * batch.num_rows, pa.string()),
             "run_id": pa.array([self.run_id] * batch.num_rows, pa.string()),
+            "result_key": pa.array(keys, pa.string()),
             schema.ENGINE_CALL: pa.array(rows.call_of, pa.string()),
             # The calls' records ride on the batch's first row, for the report.
             schema.ENGINE_CALL_STATS: pa.array([json.dumps(calls.records) if calls.records else None]
@@ -429,6 +434,17 @@ class GenerateStage:
         for name, values in columns.items():
             out = out.append_column(name, values)
         return out
+
+    def _result_keys(self, batch: pa.Table) -> list[str | None]:
+        """Each row's result key (`pipeline.generation.result_key`): from its prompt's
+        token ids, its annotation prompt's, and a chunked document's windows."""
+        if self.result_key_base is None:
+            return [None] * batch.num_rows
+        ids = batch.column(schema.PROMPT_TOKEN_IDS).to_pylist()
+        chunks = batch.column(schema.CHUNK_TEXTS).to_pylist()
+        annotation = (batch.column(schema.ANNOTATION_TOKEN_IDS).to_pylist()
+                      if schema.ANNOTATION_TOKEN_IDS in batch.column_names else [None] * batch.num_rows)
+        return [result_key(self.result_key_base, p, a, c) for p, a, c in zip(ids, annotation, chunks)]
 
     def _whole_documents(self, batch: pa.Table, rows: RowOutcomes, calls: BatchCalls) -> None:
         """1. Whole documents, one engine call per bucket, then (if the job annotates) one

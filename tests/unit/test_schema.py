@@ -11,13 +11,15 @@ def test_output_schema_order_and_types():
     assert out.names == [
         "id", "text", "source", "summary", "prompt_tokens", "output_tokens", "finish_reason", "truncated",
         "original_tokens", "chunks", "bucket", "status", "error", "notes", "latency_s", "model", "run_id",
+        "result_key",
     ]
     types = {f.name: f.type for f in out}
     assert types["id"] == pa.int64()  # the id keeps its own type
     assert types["prompt_tokens"] == types["output_tokens"] == types["original_tokens"] == types["chunks"] == pa.int32()
     assert types["truncated"] == pa.bool_() and not out.field("truncated").nullable
     assert types["latency_s"] == pa.float64()
-    assert all(types[c] == pa.string() for c in ("summary", "finish_reason", "bucket", "status", "error", "notes", "model", "run_id"))
+    assert all(types[c] == pa.string() for c in ("summary", "finish_reason", "bucket", "status", "error", "notes", "model", "run_id",
+                                                "result_key"))
     assert not out.field("status").nullable and out.field("error").nullable
 
 

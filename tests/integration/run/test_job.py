@@ -43,6 +43,18 @@ def test_rows_are_generated(job_run):
         assert r["bucket"] == LengthBucketer().name(r["prompt_tokens"])
 
 
+def test_every_row_has_a_result_key_that_follows_its_prompt(job_run):
+    """Equal prompts (the template reads `source` and `text`), equal keys; any other, another."""
+    keys = {}
+    for r in job_run.written.to_pylist():
+        assert r["result_key"].startswith("v1:")
+        keys.setdefault((r["source"], r["text"]), set()).add(r["result_key"])
+    assert all(len(k) == 1 for k in keys.values())
+    assert len(set().union(*keys.values())) == len(keys)
+    made = job_run.report["result_key"]
+    assert made["version"] == 1 and made["off"] is None and len(made["model_digest"]) == 32
+
+
 def test_no_engine_call_mixed_buckets(job_run):
     calls = job_run.report["engine_calls"]
     # A call is one bucket's rows within one 16-row block: blocks straddle buckets.

@@ -15,7 +15,7 @@ TOP = {
     "busy_fraction": NUM, "fill": NUM, "batching": dict, "engine": dict, "engine_calls": list, "files": list,
     "versions": dict, "date": OPT_STR, "input_files": dict, "length": dict, "plot_path": OPT_STR,
     "report_path": str, "publish": dict, "timeline": dict, "checks": dict, "resume": (dict, type(None)),
-    "incidents": list, "warnings": list,
+    "incidents": list, "warnings": list, "result_key": dict,
 }
 BATCHING = {"policy": str, "feed": str, "memory_target": (float, type(None)), "rows_per_call": (int, type(None)),
             "tuned_rows": (dict, type(None)), "backoffs": int, "per_bucket": dict, "learned_limits": dict,
@@ -69,6 +69,7 @@ def test_report_keys_and_types_are_pinned(job_run):
     for e in r["engine"]["engines"]:
         check(e, ENGINE, "engine.engines[]")
     assert set(r["tokens"]) == {"prompt", "output", "generated"}
+    assert set(r["result_key"]) == {"version", "model_digest", "base", "off"}
     assert set(r["publish"]) == {"replaces_run", "replaces_files", "backup", "mode"}
     assert set(r["input_files"]) == {"format", "read", "skipped"}
     assert set(r["length"]) == {"policy", "max_input_tokens", "keep", "outlier_percentile", "chunk_overlap",

@@ -1,0 +1,89 @@
+"""A row's result key: a digest of everything that determines its output, so that two
+rows with equal keys have the same result, in one run or on two nights.
+
+    base = run_key_base(model_digest, sampling, engine, job)     # once per run, in the driver
+    key = result_key(base, prompt_ids, annotation_ids, chunks)   # per row, in the generate stage
+
+What goes in (`run_key_base`, then the row's own part):
+- the model by content (`pipeline.models.digest`): weights, config, tokenizer and chat
+  template, every file of the folder, not its name;
+- the sampling, every field (temperature, top_p, seed, max_new_tokens);
+- the engine's backend and the settings that change outputs: dtype, the context
+  length, the structured-output backend, and `engine.extra` whole (it reaches vLLM as
+  it is, quantization included);
+- the job's output-affecting settings: the prompt template and system message, the
+  annotation prompt, schema and token rooms, the length policy and chunk overlap,
+  the passages settings, how a null field renders;
+- the row's prompt token ids after template and truncation, its annotation prompt's
+  ids, and for a chunked document its windows' text (its map-reduce prompts are made
+  from them with the settings above).
+
+What stays out, and why it cannot change a result: batch sizes and the batch policy,
+memory targets, the number of engines and where they run, `max_num_seqs` and
+`max_num_batched_tokens`, the KV cache's size, restarts and timeouts, ids and paths.
+They decide when and beside what a row is generated, not what the model computes for
+it: up to the engine's batch invariance, which vLLM does not promise bit for bit; a
+key promises the inputs were the same.
+
+Sampling with a temperature and no seed makes every result its own: there is no key
+(None), and nothing is reused. The key's text starts with its version
+(`KEY_VERSION`): a change to what goes in gets a new version, and no old key matches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from array import array
+from dataclasses import asdict, is_dataclass
+from typing import Any
+
+from pipeline.generation.engine import Sampling
+
+KEY_VERSION = 1
+PREFIX = f"v{KEY_VERSION}:"
+
+
+def canonical(value: Any) -> Any:
+    """Plain JSON-able data of a setting: dataclasses, pydantic models, tuples, dicts."""
+    if hasattr(value, "model_dump"):
+        return canonical(value.model_dump(mode="json"))
+    if is_dataclass(value) and not isinstance(value, type):
+        return canonical(asdict(value))
+    if isinstance(value, dict):
+        return {str(k): canonical(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, (list, tuple)):
+        return [canonical(v) for v in value]
+    return value
+
+
+def run_key_base(model_digest: str | None, sampling: Sampling, engine: dict[str, Any],
+                 job: dict[str, Any]) -> str | None:
+    """What every row of a run shares in its key, as a digest; None where results cannot be
+    reused: no content digest of the model (a hub id or a remote server without a
+    revision), or sampling without a seed."""
+    if model_digest is None or (sampling.temperature > 0 and sampling.seed is None):
+        return None
+    parts = {"version": KEY_VERSION, "model": model_digest, "sampling": canonical(sampling),
+             "engine": canonical(engine), "job": canonical(job)}
+    return hashlib.blake2b(json.dumps(parts, sort_keys=True).encode(), digest_size=16).hexdigest()
+
+
+def result_key(base: str | None, prompt_ids: list[int] | None, annotation_ids: list[int] | None = None,
+               chunks: list[str] | None = None) -> str | None:
+    """The row's key: `base`'s and its own inputs'; None with no base or no prompt (a row
+    that failed before it was tokenized)."""
+    if base is None or (prompt_ids is None and chunks is None):
+        return None
+    h = hashlib.blake2b(base.encode(), digest_size=16)
+
+    def part(tag: bytes, data: bytes) -> None:  # tagged and sized: no two inputs hash alike
+        h.update(tag + len(data).to_bytes(8, "little") + data)
+
+    if prompt_ids is not None:
+        part(b"p", array("q", prompt_ids).tobytes())
+    if annotation_ids is not None:
+        part(b"a", array("q", annotation_ids).tobytes())
+    for chunk in chunks or ():
+        part(b"c", chunk.encode("utf-8", "surrogatepass"))
+    return PREFIX + h.hexdigest()
