@@ -26,6 +26,7 @@ def block(ids, bucket, call, first_stats=None, status="ok", texts=None, summarie
         "chunks": pa.array([None] * n, pa.int32()), "notes": pa.array([None] * n, pa.string()),
         "status": status if isinstance(status, list) else [status] * n, "error": pa.array([None] * n, pa.string()),
         "latency_s": [0.1] * n, "model": ["m"] * n, "run_id": ["r"] * n,
+        "result_key": pa.array([None] * n, pa.string()),
         schema.BUCKET_INDEX: pa.array([0] * n, pa.int32()),
         schema.ENGINE_CALL: pa.array([call] * n, pa.string()),
         schema.ENGINE_CALL_STATS: ([json.dumps([first_stats])] + [None] * (n - 1) if first_stats

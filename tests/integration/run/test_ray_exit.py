@@ -22,8 +22,8 @@ SCRIPT = textwrap.dedent("""
             # As vLLM's engine core is, a process under the actor's; this one ignores SIGTERM,
             # so it outlives its actor unless it is killed.
             import os, subprocess, sys
-            self.core = subprocess.Popen([sys.executable, "-c",
-                                          "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"])
+            deaf = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"
+            self.core = subprocess.Popen([sys.executable, "-c", deaf])
             return os.getpid(), self.core.pid
 
     actors = [Actor.remote() for _ in range(2)]
