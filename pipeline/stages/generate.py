@@ -38,7 +38,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from itertools import groupby
@@ -83,21 +82,6 @@ def bucket_runs(rows: list[int], buckets: list[int], grouping: str,
         return [("mixed", list(rows))]
     ordered = sorted(rows, key=lambda i: buckets[i])  # stable: arrival order within a bucket
     return [(names[k], list(g)) for k, g in groupby(ordered, key=lambda i: buckets[i])]
-
-
-def at_once(serve: Callable[[str, list[int]], None], runs: list[tuple[str, list[int]]]) -> None:
-    """`serve` each (bucket, positions) run of a block, all at once: the engine then has
-    every bucket's rows to choose from, not only the first's while the others wait (a
-    block gathering several buckets' last rows starved vLLM's queue, `bench/README.md`).
-    Each run writes only its own positions. The first error, once every run has ended."""
-    if len(runs) <= 1:
-        for bucket, members in runs:
-            serve(bucket, members)
-        return
-    with ThreadPoolExecutor(max_workers=len(runs), thread_name_prefix="bucket-call") as pool:
-        futures = [pool.submit(serve, bucket, members) for bucket, members in runs]
-    for f in futures:
-        f.result()
 
 
 @dataclass(frozen=True)
@@ -454,18 +438,15 @@ class GenerateStage:
         buckets = batch.column(schema.BUCKET_INDEX).to_pylist()
         whole = [i for i in range(batch.num_rows) if rows.status[i] == Status.OK and chunk_texts[i] is None]
         annotation_ids = batch.column(schema.ANNOTATION_TOKEN_IDS).to_pylist() if self.annotation_task else []
-
-        def serve(bucket: str, members: list[int]) -> None:
+        for bucket, members in bucket_runs(whole, buckets, self.grouping, self.bucketer.names):
             for i, (call_id, c) in summarize(calls, [(bucket, members)], token_ids, self.sampling).items():
                 rows.call_of[i] = call_id
                 rows.completed(i, c)
             if self.annotation_task is None:
-                return
+                continue
             todo = [i for i in members if rows.status[i] == Status.OK and annotation_ids[i] is not None]
             for i, a in annotate(calls, bucket, todo, annotation_ids, self.annotation_task).items():
                 rows.annotated(i, a)
-
-        at_once(serve, bucket_runs(whole, buckets, self.grouping, self.bucketer.names))
 
     def _chunked_documents(self, batch: pa.Table, rows: RowOutcomes, calls: BatchCalls) -> None:
         """2. Documents too long for one prompt, under `length.policy: chunk`: map-reduce."""
