@@ -111,6 +111,7 @@ class Goal:
     key: str  # the key in a `table_rows` row
     higher_is_better: bool
     targets: dict[int, float | None]  # rows -> target (None: no target at that size)
+    strict: bool = False  # beyond the target, not at it
 
     def target_for(self, rows: int) -> tuple[int, float | None]:
         """The target that applies to a run of `rows`: the largest size at or below it,
@@ -118,8 +119,6 @@ class Goal:
         sizes = sorted(self.targets)
         at = max((s for s in sizes if s <= rows), default=sizes[0])
         return at, self.targets[at]
-
-    strict: bool = False  # beyond the target, not at it
 
     def met(self, value: float, target: float) -> bool:
         if self.strict:

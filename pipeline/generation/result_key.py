@@ -39,6 +39,7 @@ from dataclasses import asdict, is_dataclass
 from typing import Any
 
 from pipeline.generation.engine import Sampling
+from pipeline.generation.merge import sampling_key
 
 KEY_VERSION = 1
 PREFIX = f"v{KEY_VERSION}:"
@@ -62,9 +63,10 @@ def run_key_base(model_digest: str | None, sampling: Sampling, engine: dict[str,
     """What every row of a run shares in its key, as a digest; None where results cannot be
     reused: no content digest of the model (a hub id or a remote server without a
     revision), or sampling without a seed."""
-    if model_digest is None or (sampling.temperature > 0 and sampling.seed is None):
+    sampled = sampling_key(sampling)  # the merge's rule: None where each result is its own
+    if model_digest is None or sampled is None:
         return None
-    parts = {"version": KEY_VERSION, "model": model_digest, "sampling": canonical(sampling),
+    parts = {"version": KEY_VERSION, "model": model_digest, "sampling": sampled,
              "engine": canonical(engine), "job": canonical(job)}
     return hashlib.blake2b(json.dumps(parts, sort_keys=True).encode(), digest_size=16).hexdigest()
 

@@ -15,6 +15,7 @@ from typing import Any
 from pipeline.config import EngineConfig, ProfileConfig, RunConfig, SamplingConfig
 from pipeline.generation.engine import Sampling
 from pipeline.generation.hf import HFSettings
+from pipeline.generation.merge import sampling_key
 from pipeline.generation.result_key import KEY_VERSION, run_key_base
 from pipeline.generation.vllm import VLLMSettings
 from pipeline.models.digest import model_digest
@@ -180,7 +181,7 @@ def result_keys(config: RunConfig, prepare: PrepareSettings) -> dict[str, Any]:
     if not Path(prepare.model_path).exists():
         out["off"] = f"model {config.profile.model.name!r} is a hub id: no files to key its results on"
         return out
-    if sampling.temperature > 0 and sampling.seed is None:
+    if sampling_key(sampling) is None:
         out["off"] = "sampling with a temperature and no seed: every result is its own"
         return out
     job, engine = config.job, config.profile.engine

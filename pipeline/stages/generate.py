@@ -399,9 +399,15 @@ class GenerateStage:
     def _generate(self, batch: pa.Table) -> pa.Table:
         rows = RowOutcomes.of(batch, annotating=self.annotations is not None)
         calls = self.calls.batch()
-        self._whole_documents(batch, rows, calls)
-        self._chunked_documents(batch, rows, calls)
-        keys = self._result_keys(batch)
+        # The prompts' columns as Python lists once per batch: the calls and the keys read them.
+        token_ids = batch.column(schema.PROMPT_TOKEN_IDS).to_pylist()
+        chunk_texts = batch.column(schema.CHUNK_TEXTS).to_pylist()
+        annotation_ids = (batch.column(schema.ANNOTATION_TOKEN_IDS).to_pylist()
+                          if schema.ANNOTATION_TOKEN_IDS in batch.column_names else [None] * batch.num_rows)
+        self._whole_documents(batch, rows, calls, token_ids, chunk_texts, annotation_ids)
+        self._chunked_documents(batch, rows, calls, chunk_texts)
+        keys = ([result_key(self.result_key_base, p, a, c) for p, a, c in zip(token_ids, annotation_ids, chunk_texts)]
+                if self.result_key_base is not None else [None] * batch.num_rows)
         out = batch.drop_columns([c for c in (schema.PROMPT_TOKEN_IDS, schema.CHUNK_TEXTS, "status", "error",
                                               schema.ANNOTATION_TOKEN_IDS) if c in batch.column_names])
         columns = rows.columns(self.parser, self.annotations.column_prefix if self.annotations else "")
@@ -419,25 +425,12 @@ class GenerateStage:
             out = out.append_column(name, values)
         return out
 
-    def _result_keys(self, batch: pa.Table) -> list[str | None]:
-        """Each row's result key (`pipeline.generation.result_key`): from its prompt's
-        token ids, its annotation prompt's, and a chunked document's windows."""
-        if self.result_key_base is None:
-            return [None] * batch.num_rows
-        ids = batch.column(schema.PROMPT_TOKEN_IDS).to_pylist()
-        chunks = batch.column(schema.CHUNK_TEXTS).to_pylist()
-        annotation = (batch.column(schema.ANNOTATION_TOKEN_IDS).to_pylist()
-                      if schema.ANNOTATION_TOKEN_IDS in batch.column_names else [None] * batch.num_rows)
-        return [result_key(self.result_key_base, p, a, c) for p, a, c in zip(ids, annotation, chunks)]
-
-    def _whole_documents(self, batch: pa.Table, rows: RowOutcomes, calls: BatchCalls) -> None:
+    def _whole_documents(self, batch: pa.Table, rows: RowOutcomes, calls: BatchCalls, token_ids: list[Any],
+                         chunk_texts: list[Any], annotation_ids: list[Any]) -> None:
         """1. Whole documents, one engine call per bucket, then (if the job annotates) one
         annotation call per bucket."""
-        token_ids = batch.column(schema.PROMPT_TOKEN_IDS).to_pylist()
-        chunk_texts = batch.column(schema.CHUNK_TEXTS).to_pylist()
         buckets = batch.column(schema.BUCKET_INDEX).to_pylist()
         whole = [i for i in range(batch.num_rows) if rows.status[i] == Status.OK and chunk_texts[i] is None]
-        annotation_ids = batch.column(schema.ANNOTATION_TOKEN_IDS).to_pylist() if self.annotation_task else []
         for bucket, members in bucket_runs(whole, buckets, self.grouping, self.bucketer.names):
             for i, (call_id, c) in summarize(calls, [(bucket, members)], token_ids, self.sampling).items():
                 rows.call_of[i] = call_id
@@ -448,9 +441,9 @@ class GenerateStage:
             for i, a in annotate(calls, bucket, todo, annotation_ids, self.annotation_task).items():
                 rows.annotated(i, a)
 
-    def _chunked_documents(self, batch: pa.Table, rows: RowOutcomes, calls: BatchCalls) -> None:
+    def _chunked_documents(self, batch: pa.Table, rows: RowOutcomes, calls: BatchCalls,
+                           chunk_texts: list[Any]) -> None:
         """2. Documents too long for one prompt, under `length.policy: chunk`: map-reduce."""
-        chunk_texts = batch.column(schema.CHUNK_TEXTS).to_pylist()
         chunked = [i for i in range(batch.num_rows) if rows.status[i] == Status.OK and chunk_texts[i] is not None]
         if chunked:
             texts = {i: batch.slice(i, 1).to_pylist()[0] for i in chunked}
