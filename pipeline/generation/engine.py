@@ -147,6 +147,12 @@ class Engine(Protocol):
         """(KV-cache usage 0..1 at the last step, preemptions so far)."""
         ...
 
+    def preempted(self) -> list[str] | None:
+        """The ids of requests preempted since the last call (a request preempted twice
+        is there twice). None: the engine cannot say which, and the feeder charges each
+        preemption to every call with rows in flight."""
+        ...
+
     def rebuild(self, reason: str) -> None:
         """Replace a dead engine with one that asks for less memory."""
         ...

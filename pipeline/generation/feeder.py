@@ -100,6 +100,9 @@ class InFlight:
         self._per_call[id(call)] += 1
         self.cost += r.cost
 
+    def get(self, request_id: str) -> tuple[_Call, Request] | None:
+        return self._items.get(request_id)
+
     def pop(self, request_id: str) -> tuple[_Call, Request]:
         call, r = self._items.pop(request_id)
         self._per_call[id(call)] -= 1
@@ -133,6 +136,7 @@ class _Window:
     opened: float
     rows_target: int
     preemptions_at_open: int
+    preempted: int = 0  # of this call's rows, where the engine says which were preempted
     peak_pressure: float = 0.0
     done: int = 0
     output_tokens: int = 0
@@ -228,6 +232,9 @@ class EngineFeeder:
         self._trajectory_seen: dict[str, tuple[int, int]] = {}
         # From the engine's count now: the first call's preemptions are its own, not lost.
         self._preemptions_seen = self.preemptions()
+        # Whether the engine says which requests it preempted (then each preemption is
+        # charged to the window of the call whose row it hit, not to every open window).
+        self._attributed = self.engine.preempted() is not None
         self._step_started: float | None = None  # while a step runs: when it began (the stall watchdog reads it)
 
     def preemptions(self) -> int:
@@ -304,6 +311,7 @@ class EngineFeeder:
                 bucket = next((c.bucket for c in calls if c.in_flight), "unknown")
                 self.totals.padding.add(*padding.since(*before), bucket=bucket)
             self._stepped(step_start, calls)
+            self._charge_preemptions()
             self._complete(finished)
             reading = self.probe.read()  # after every step: KV usage reads 0 once requests finish
             for c in calls:
@@ -393,6 +401,16 @@ class EngineFeeder:
                 c.stepped(step, busy, total, queued)
         self._mark = now
 
+    def _charge_preemptions(self) -> None:
+        """Each preempted row's call has its window charged: when several buckets' calls
+        share the engine, the bucket that overfilled it backs off, not every open one."""
+        if not self._attributed:
+            return
+        for request_id in self.engine.preempted() or ():
+            entry = self.in_flight.get(request_id)
+            if entry is not None and entry[0].window is not None:
+                entry[0].window.preempted += 1
+
     def _complete(self, finished: list[tuple[str, Completion]]) -> None:
         """Completions free their share of the budget."""
         now = time.monotonic()
@@ -442,11 +460,16 @@ class EngineFeeder:
             pressure=1.0 if oom else w.peak_pressure,
             throughput=w.output_tokens / elapsed,
             rows=w.done,
-            preemptions=0 if oom else max(0, self.preemptions() - w.preemptions_at_open),
+            preemptions=0 if oom else self._window_preemptions(w),
             oom=oom,
             tokens_per_row=tokens_per_row,
             drained=w.drained,
         ))
+
+    def _window_preemptions(self, w: _Window) -> int:
+        if self._attributed:
+            return w.preempted
+        return max(0, self.preemptions() - w.preemptions_at_open)  # every preemption while it was open
 
     def unreported(self, bucket: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
         """The policy's steps and back-offs for `bucket`, and the preemptions, that no
@@ -504,14 +527,15 @@ class _Call:
         return self.feeder.in_flight.of(self)
 
     def begin(self) -> None:
-        """The first time the driver sees this call: its clock and first window start."""
+        """The first time the driver sees this call: its clock starts. Its first window
+        opens with its first row in (`admit`): a call waiting behind another bucket's
+        measures nothing of its own bucket meanwhile."""
         if self.started is not None:
             return
         self.started = time.monotonic()
         totals = self.feeder.totals
         if totals.first_start is None:
             totals.first_start = self.started
-        self.window = self.feeder.open_window(self.bucket, self.tokens_per_row)
 
     def admit(self) -> bool:
         """Submit rows while the budget allows (always at least one in flight). True when
@@ -535,6 +559,8 @@ class _Call:
         while admit and self.queue and len(feeder.in_flight) < cap and (
             not feeder.in_flight or feeder.admission_cost(self.queue[0]) <= budget
         ):
+            if self.window is None:
+                self.window = feeder.open_window(self.bucket, self.tokens_per_row)
             self._submit(self.queue.popleft())
         return not self.queue
 
@@ -591,8 +617,8 @@ class _Call:
         if w is None or not (w.done >= w.rows_target or not (self.queue or self.in_flight)):
             return
         self.feeder.close_window(self.bucket, w, w.cost / max(w.done, 1))
-        self.window = self.feeder.open_window(self.bucket, self.tokens_per_row) if (
-            self.queue or self.in_flight) else None
+        # With rows still running, the next window opens now; else with its next row in.
+        self.window = self.feeder.open_window(self.bucket, self.tokens_per_row) if self.in_flight else None
 
     def result(self) -> ServeResult:
         feeder = self.feeder

@@ -159,6 +159,10 @@ class TransformersEngine:
         """(the last batch's peak memory over this engine's budget, 0): no preemptions here."""
         return self._pressure, 0
 
+    def preempted(self) -> list[str] | None:
+        """None preempted, ever: a batch that does not fit runs out of memory instead."""
+        return []
+
     def _learn_token_cost(self, extra_bytes: int, tokens: int) -> None:
         """Memory per batch token beyond the weights, from a batch's peak; the capacity in
         tokens follows, which the batch controller starts each new bucket from."""

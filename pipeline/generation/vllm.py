@@ -312,6 +312,9 @@ class VLLMEngine:
                 preemptions += int(metric.value)
         return usage, preemptions
 
+    def preempted(self) -> list[str] | None:
+        return self._steps.take_preempted()
+
     def prefix_cache(self) -> dict[str, int]:
         """vLLM's prefix cache so far: prompt tokens looked up (`queries`) and found (`hits`)."""
         return {"queries": self._steps.prefix_queries, "hits": self._steps.prefix_hits}

@@ -6,7 +6,9 @@ running and waiting, KV-cache usage, prefix-cache lookups) and `IterationStats`
 stats are on (`disable_log_stats: false`). `StepTap` wraps that one call, so
 every step's readings are exact and cost nothing extra (`get_metrics()`
 collects every Prometheus metric instead: about a millisecond, a sixth of a tiny
-model's step). Given a `StepTimeline`, it also times each `LLMEngine.step` call,
+model's step). It also wraps the output processor's `process_outputs`, to learn
+*which* requests were preempted (their outputs carry a PREEMPTED event, when the
+scheduler runs them again), so a preemption can be charged to the rows it hit. Given a `StepTimeline`, it also times each `LLMEngine.step` call,
 so the timeline holds when every step began, how long it took and what it ran,
 and the gaps between steps are the caller's own time.
 
@@ -79,14 +81,47 @@ class StepTap:
         self.kv_usage: float | None = None
         self.preemptions = 0
         self.prefix_queries = self.prefix_hits = 0  # prompt tokens looked up in the prefix cache, and found
+        # Our request ids of the requests preempted, as vLLM reports them; the engine
+        # wrapper hands them out (`take_preempted`). None where the processor isn't there.
+        self.preempted: list[str] | None = None
         self.timeline = timeline
         self._last: tuple[int, int, int, int] = (0, 0, 0, 0)  # running, waiting, prompt, generated
         manager = getattr(llm_engine, "logger_manager", None)
         self.tapped = manager is not None
         if manager is not None:
             manager.record = self._recorder(manager.record)
+        processor = getattr(llm_engine, "output_processor", None)
+        if self.tapped and processor is not None and hasattr(processor, "request_states"):
+            self.preempted = []
+            processor.process_outputs = self._preemption_reader(processor)
         if timeline is not None:
             llm_engine.step = self._timed(llm_engine.step)
+
+    def take_preempted(self) -> list[str] | None:
+        """Our ids of the requests preempted since the last take; None: vLLM can't say which."""
+        if self.preempted is None:
+            return None
+        taken, self.preempted = self.preempted, []
+        return taken
+
+    def _preemption_reader(self, processor: Any) -> Any:
+        """`process_outputs`, which first notes the requests whose outputs report a
+        preemption: one pass over the step's outputs, whose `events` are None but for a
+        request just queued, scheduled or preempted (stats on)."""
+        from vllm.v1.engine import EngineCoreEventType
+
+        original = processor.process_outputs
+        preempted_type = EngineCoreEventType.PREEMPTED
+
+        def process_outputs(engine_core_outputs: Any, *args: Any, **kwargs: Any) -> Any:
+            for output in engine_core_outputs:
+                if output.events and any(e.type == preempted_type for e in output.events):
+                    state = processor.request_states.get(output.request_id)  # processed below: still there
+                    if state is not None and self.preempted is not None:
+                        self.preempted.append(state.external_req_id)
+            return original(engine_core_outputs, *args, **kwargs)
+
+        return process_outputs
 
     def _recorder(self, original: Any) -> Any:
         def record(scheduler_stats: Any = None, iteration_stats: Any = None, *args: Any, **kwargs: Any) -> Any:

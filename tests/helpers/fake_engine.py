@@ -86,6 +86,9 @@ class FakeEngine:
         used = sum(v[1] for v in self.live.values())
         return min(1.0, used / self.capacity), 0
 
+    def preempted(self):
+        return None  # as an engine that can't say which: the feeder charges by count
+
     def kill_core(self, memory=False):
         self.dead, self.dead_of_memory = True, memory
         return True
@@ -152,6 +155,9 @@ class FakeDevice:
 
     def kv_gauges(self):
         return self._pressure, 0
+
+    def preempted(self):
+        return []
 
     def rebuild(self, reason):
         pass

@@ -78,18 +78,30 @@ def test_oom_requeues_the_rows_in_flight_and_halves_the_budget():
 
 
 class PreemptingEngine(FakeEngine):
-    """vLLM's counter: one preemption per step in which more than `fits` rows run."""
+    """vLLM's counter: one preemption per step in which more than `fits` rows run. With
+    `says_which`, it also names the request preempted: the newest whose prompt starts
+    with `victim_token` (the test's choice of bucket to overfill), or none."""
 
-    def __init__(self, fits, **kw):
+    def __init__(self, fits, says_which=False, victim_token=1, **kw):
         super().__init__(**kw)
-        self.fits, self.preempted = fits, 0
+        self.fits, self.preemptions, self.says_which, self.victims = fits, 0, says_which, []
+        self.victim_token = victim_token
 
     def step(self):
-        self.preempted += len(self.live) > self.fits
+        victims = [rid for rid, (_, _, ids, _) in self.live.items() if ids[0] == self.victim_token]
+        if len(self.live) > self.fits and victims:
+            self.preemptions += 1
+            self.victims.append(victims[-1])
         return super().step()
 
     def kv_gauges(self):
-        return super().kv_gauges()[0], self.preempted
+        return super().kv_gauges()[0], self.preemptions
+
+    def preempted(self):
+        if not self.says_which:
+            return None
+        taken, self.victims = self.victims, []
+        return taken
 
 
 def test_the_first_calls_preemptions_back_off_and_reach_its_record():
@@ -100,7 +112,25 @@ def test_the_first_calls_preemptions_back_off_and_reach_its_record():
     backoffs = policy.trajectory("le128")["backoffs"]
     assert backoffs and {b["reason"] for b in backoffs} == {"preemption"}
     # The engine's count since the feeder began, not from the first call's end.
-    assert out.record.preemptions == engine.preempted > 0
+    assert out.record.preemptions == engine.preemptions > 0
+
+
+@pytest.mark.parametrize("says_which", [True, False])
+def test_a_preemption_is_charged_to_the_bucket_whose_row_it_hit(says_which):
+    """Two buckets' calls open at once; every preemption hits a row of the short bucket.
+    An engine that names its preempted requests has the short bucket back off alone, its
+    rows the ones hit; one that only counts charges every call with a window open."""
+    engine = PreemptingEngine(fits=8, says_which=says_which, steps_per_request=6)
+    policy = BatchSizeController(ControllerSettings(), initial_budget_tokens=2000)  # 20 rows: too many
+    feeder = EngineFeeder(engine, policy)
+    short = rows(60)
+    long = [(100 + i, [2] * 200) for i in range(6)]  # 6 rows of 204 tokens: they fit
+    a, b = serve_together(feeder, [("le128", short), ("le256", long)])
+    assert sorted(a.completions) == list(range(60)) and sorted(b.completions) == list(range(100, 106))
+    assert policy.backoffs("le128")
+    assert engine.preemptions > 0
+    if says_which:
+        assert policy.backoffs("le256") == []  # its rows were never the ones preempted
 
 
 def test_a_row_that_fails_alone_gets_an_error_and_the_rest_go_on():

@@ -38,6 +38,26 @@ def test_the_tap_reads_every_step_and_still_hands_the_stats_on():
     assert engine.recorded == 2  # vLLM's own loggers still see every step
 
 
+def test_the_tap_names_the_requests_vllm_preempted_by_our_ids():
+    """vLLM's outputs carry a PREEMPTED event for a request it runs again after preempting
+    it; the tap maps vLLM's internal id to ours before the processor drops a finished one."""
+    from vllm.v1.engine import EngineCoreEventType as Event
+
+    processed = []
+    processor = NS(request_states={"req-1-ab12": NS(external_req_id="req-1"),
+                                   "req-2-cd34": NS(external_req_id="req-2")},
+                   process_outputs=lambda outputs, *a, **k: processed.append(len(outputs)))
+    engine = FakeLLMEngine([])
+    engine.output_processor = processor
+    tap = StepTap(engine)
+    outputs = [NS(request_id="req-1-ab12", events=None),
+               NS(request_id="req-2-cd34", events=[NS(type=Event.SCHEDULED), NS(type=Event.PREEMPTED)])]
+    processor.process_outputs(outputs, 0.0, None)
+    assert processed == [2]  # vLLM's own processing still runs, on every output
+    assert tap.take_preempted() == ["req-2"] and tap.take_preempted() == []
+    assert StepTap(FakeLLMEngine([])).take_preempted() is None  # no processor: it can't say
+
+
 def test_with_a_timeline_each_step_is_timed_with_its_load():
     engine = FakeLLMEngine([(4, 2, 100, 4, 0), (6, 0, 20, 6, 0), (3, 0, 0, 3, 0)])
     timeline = StepTimeline()

@@ -25,6 +25,9 @@ class FakeEngine:
     def kv_gauges(self):
         return self.last_step / 100, 0
 
+    def preempted(self):
+        return []
+
     def submit(self, ids, params):
         self.n += 1
         self.in_flight.append(f"r{self.n}")
