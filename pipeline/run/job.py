@@ -99,9 +99,9 @@ def init_ray(config: RunConfig) -> None:
         ray.init(num_cpus=hw.ray_num_cpus, include_dashboard=False)
 
 
-def group_window(batch: pa.Table, block_rows: int | None = None) -> pa.Table:
+def group_window(batch: pa.Table, block_rows: int | None = None, bounds: list[int] | None = None) -> pa.Table:
     """One window of prepared rows, grouped by bucket (see `bucketing.window_order`)."""
-    order = window_order(batch.column(schema.BUCKET_INDEX).to_pylist(), block_rows)
+    order = window_order(batch.column(schema.BUCKET_INDEX).to_pylist(), block_rows, bounds)
     return batch.take(pa.array(order, pa.int64()))
 
 
@@ -308,7 +308,8 @@ def build_dataset(ctx: RunContext, target: OutputTarget) -> tuple[Any, PrepareSe
         # (transformers) are one call's rows each, so they keep the buckets in order.
         interleaved = profile.bucketing.window_order == "interleaved" and profile.engine.backend == "vllm"
         ds = (ds.map_batches(group_window, batch_size=profile.bucketing.window_rows, batch_format="pyarrow",
-                             fn_kwargs={"block_rows": profile.batching.generate_batch_rows if interleaved else None},
+                             fn_kwargs={"block_rows": profile.batching.generate_batch_rows if interleaved else None,
+                                        "bounds": list(profile.bucketing.boundaries) if interleaved else None},
                              num_cpus=0.1, concurrency=1)
               .repartition(target_num_rows_per_block=profile.batching.generate_batch_rows))
     elif profile.bucketing.grouping == "global":

@@ -38,6 +38,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from itertools import groupby
@@ -82,6 +83,21 @@ def bucket_runs(rows: list[int], buckets: list[int], grouping: str,
         return [("mixed", list(rows))]
     ordered = sorted(rows, key=lambda i: buckets[i])  # stable: arrival order within a bucket
     return [(names[k], list(g)) for k, g in groupby(ordered, key=lambda i: buckets[i])]
+
+
+def at_once(serve: Callable[[str, list[int]], None], runs: list[tuple[str, list[int]]]) -> None:
+    """`serve` each (bucket, positions) run of a block, all at once: the engine then has
+    every bucket's rows to choose from, not only the first's while the others wait (a
+    block gathering several buckets' last rows starved vLLM's queue, `bench/README.md`).
+    Each run writes only its own positions. The first error, once every run has ended."""
+    if len(runs) <= 1:
+        for bucket, members in runs:
+            serve(bucket, members)
+        return
+    with ThreadPoolExecutor(max_workers=len(runs), thread_name_prefix="bucket-call") as pool:
+        futures = [pool.submit(serve, bucket, members) for bucket, members in runs]
+    for f in futures:
+        f.result()
 
 
 @dataclass(frozen=True)
@@ -431,15 +447,18 @@ class GenerateStage:
         annotation call per bucket."""
         buckets = batch.column(schema.BUCKET_INDEX).to_pylist()
         whole = [i for i in range(batch.num_rows) if rows.status[i] == Status.OK and chunk_texts[i] is None]
-        for bucket, members in bucket_runs(whole, buckets, self.grouping, self.bucketer.names):
+
+        def serve(bucket: str, members: list[int]) -> None:
             for i, (call_id, c) in summarize(calls, [(bucket, members)], token_ids, self.sampling).items():
                 rows.call_of[i] = call_id
                 rows.completed(i, c)
             if self.annotation_task is None:
-                continue
+                return
             todo = [i for i in members if rows.status[i] == Status.OK and annotation_ids[i] is not None]
             for i, a in annotate(calls, bucket, todo, annotation_ids, self.annotation_task).items():
                 rows.annotated(i, a)
+
+        at_once(serve, bucket_runs(whole, buckets, self.grouping, self.bucketer.names))
 
     def _chunked_documents(self, batch: pa.Table, rows: RowOutcomes, calls: BatchCalls,
                            chunk_texts: list[Any]) -> None:

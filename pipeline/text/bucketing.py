@@ -40,7 +40,28 @@ class LengthBucketer:
         return self.names[self.index(tokens)]
 
 
-def window_order(buckets: Sequence[int], block_rows: int | None = None) -> list[int]:
+MIN_PIECE_ROWS = 8  # the fewest rows a long bucket is spread in (`window_order`'s `bounds`)
+
+
+def piece_rows(buckets: Sequence[int], block_rows: int, bounds: Sequence[int]) -> dict[int, int]:
+    """Rows per piece for each bucket of a window: as many prompt tokens per piece as a
+    block of the window's most common bucket holds, so a bucket 4x as long comes in
+    pieces a quarter of a block. Buckets no longer than that one: a whole block each."""
+    counts: dict[int, int] = {}
+    for b in buckets:
+        counts[b] = counts.get(b, 0) + 1
+    if not counts:
+        return {}
+
+    def bound(b: int) -> int:  # past the last boundary: twice it, as the bucket has no bound
+        return bounds[b] if b < len(bounds) else 2 * bounds[-1]
+
+    bulk = bound(max(counts, key=lambda b: (counts[b], -b)))
+    return {b: max(min(block_rows, MIN_PIECE_ROWS), min(block_rows, block_rows * bulk // bound(b))) for b in counts}
+
+
+def window_order(buckets: Sequence[int], block_rows: int | None = None,
+                 bounds: Sequence[int] | None = None) -> list[int]:
     """Positions of a window's rows grouped by bucket: the window's blocks then hold one
     bucket each, except where one bucket ends and the next begins, and the engine calls
     they are split into never mix buckets.
@@ -56,19 +77,26 @@ def window_order(buckets: Sequence[int], block_rows: int | None = None) -> list[
     into blocks of their own, spread like the rest; such a block is split into a call
     per bucket. The rows that do not fill a last block, the shortest, end the window. So
     the blocks the window is cut into line up with the blocks here: one bucket each
-    but for the gathered ones."""
+    but for the gathered ones.
+
+    `bounds` (the buckets' upper bounds, `LengthBucketer.boundaries`): a bucket longer
+    than the window's most common one is spread in smaller pieces (`piece_rows`), with
+    as many prompt tokens as a block of that one, so its prefills are spread as finely
+    as the rest of the window's. The blocks then no longer line up: a block may hold a
+    piece and the rows around it, served as a call per bucket, at once."""
     by_bucket: dict[int, list[int]] = {}
     for i, b in enumerate(buckets):
         by_bucket.setdefault(b, []).append(i)
     if block_rows is None:
         return [i for b in sorted(by_bucket) for i in by_bucket[b]]
+    pieces = piece_rows(buckets, block_rows, bounds) if bounds else {b: block_rows for b in by_bucket}
     blocks: list[tuple[float, int, list[int]]] = []
     rest: list[int] = []
     for b in sorted(by_bucket, reverse=True):
-        rows = by_bucket[b]
-        n = len(rows) // block_rows
-        blocks += [((j + 0.5) / n, b, rows[j * block_rows:(j + 1) * block_rows]) for j in range(n)]
-        rest += rows[n * block_rows:]
+        rows, size = by_bucket[b], pieces[b]
+        n = len(rows) // size
+        blocks += [((j + 0.5) / n, b, rows[j * size:(j + 1) * size]) for j in range(n)]
+        rest += rows[n * size:]
     gathered = len(rest) - len(rest) % block_rows
     k = gathered // block_rows
     blocks += [((j + 0.5) / k, -1, rest[j * block_rows:(j + 1) * block_rows]) for j in range(k)]

@@ -4,12 +4,13 @@ over long documents, and a dead engine, each checked column by column. The same 
 run on real vLLM in tests/integration (test_kb_ingest, test_outliers, test_adaptive)."""
 
 import json
+import threading
 
 import pyarrow as pa
 import pytest
 
 from pipeline import schema
-from pipeline.stages.generate import GenerateStage
+from pipeline.stages.generate import GenerateStage, at_once
 from pipeline.stages.prepare import PrepareStage
 from tests.helpers import REPO
 from tests.helpers.fake_engine import FakeEngine
@@ -196,3 +197,31 @@ def test_rows_with_the_same_document_are_generated_once_each_with_its_own_id(tin
         assert rows["a"]["summary"] == rows["c"]["summary"] == rows["d"]["summary"] != rows["b"]["summary"]
         assert len(engine.submitted) == requests
         assert generate.actor_totals()["merged"] == ({"rows": 2} if merge else {})
+
+
+def test_a_blocks_bucket_calls_are_served_at_once():
+    """Each bucket's call waits here until every other has started: served one after
+    another, the first would wait for good."""
+    started = threading.Barrier(3, timeout=10)
+    served = {}
+
+    def serve(bucket, members):
+        started.wait()
+        served[bucket] = members
+
+    at_once(serve, [("le128", [0, 1]), ("le512", [2]), ("le1024", [3, 4])])
+    assert served == {"le128": [0, 1], "le512": [2], "le1024": [3, 4]}
+
+
+def test_a_failed_bucket_call_raises_once_every_other_has_ended():
+    ended = []
+
+    def serve(bucket, members):
+        if bucket == "le128":
+            raise RuntimeError("engine died")
+        threading.Event().wait(0.2)
+        ended.append(bucket)
+
+    with pytest.raises(RuntimeError, match="engine died"):
+        at_once(serve, [("le128", [0]), ("le512", [1]), ("le1024", [2])])
+    assert sorted(ended) == ["le1024", "le512"]

@@ -1,3 +1,5 @@
+from itertools import groupby
+
 import pytest
 
 from pipeline.text.bucketing import DEFAULT_BOUNDARIES, LengthBucketer
@@ -57,14 +59,14 @@ def test_rejects_negative_length():
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from pipeline.text.bucketing import window_order  # noqa: E402
+from pipeline.text.bucketing import MIN_PIECE_ROWS, piece_rows, window_order  # noqa: E402
 from pipeline.stages.generate import bucket_runs  # noqa: E402
 
 NAMES = LengthBucketer().names
 
 
 def engine_calls(buckets: list[int], window_rows: int, block_rows: int,
-                 interleaved: bool = False) -> list[tuple[str, list[int]]]:
+                 interleaved: bool = False, bounds: tuple[int, ...] | None = None) -> list[tuple[str, list[int]]]:
     """The plan's composition, in order: windows of prepared rows grouped by bucket
     (`window_order`, as the window stage does), the stream cut into blocks of
     `block_rows` (Ray Data's repartition), each block split into engine calls
@@ -73,7 +75,7 @@ def engine_calls(buckets: list[int], window_rows: int, block_rows: int,
     for start in range(0, len(buckets), window_rows):
         window = list(range(start, min(start + window_rows, len(buckets))))
         stream += [window[i] for i in window_order([buckets[p] for p in window],
-                                                    block_rows if interleaved else None)]
+                                                    block_rows if interleaved else None, bounds)]
     calls = []
     for start in range(0, len(stream), block_rows):
         block = stream[start:start + block_rows]
@@ -85,10 +87,11 @@ def engine_calls(buckets: list[int], window_rows: int, block_rows: int,
 
 @settings(max_examples=300, deadline=None)
 @given(buckets=st.lists(st.integers(0, len(NAMES) - 1), max_size=400),
-       window_rows=st.integers(1, 120), block_rows=st.integers(1, 50), interleaved=st.booleans())
+       window_rows=st.integers(1, 120), block_rows=st.integers(1, 50), interleaved=st.booleans(),
+       pieces=st.booleans())
 def test_every_row_reaches_exactly_one_bucket_pure_call_no_larger_than_a_block(buckets, window_rows, block_rows,
-                                                                                interleaved):
-    calls = engine_calls(buckets, window_rows, block_rows, interleaved)
+                                                                                interleaved, pieces):
+    calls = engine_calls(buckets, window_rows, block_rows, interleaved, DEFAULT_BOUNDARIES if pieces else None)
     served = sorted(p for _, positions in calls for p in positions)
     assert served == list(range(len(buckets)))  # every row once: none lost, none twice
     for name, positions in calls:
@@ -139,3 +142,27 @@ def test_interleaved_blocks_line_up_and_the_shortest_last_rows_end_the_window(bu
     if tail:  # the shortest of the last rows: none gathered into a block is shorter
         gathered = [buckets[i] for i in order[:whole] if i in last_rows]
         assert all(g >= tail[0] for g in gathered)
+
+
+def test_a_long_bucket_comes_in_pieces_with_as_many_tokens_as_a_block_of_the_windows_most_common_one():
+    le = {name: i for i, name in enumerate(NAMES)}
+    window = [le["le256"]] * 50 + [le["le1024"]] * 5 + [le["le128"]] * 3 + [le["le8192"], le["gt8192"]]
+    assert piece_rows(window, 128, DEFAULT_BOUNDARIES) == {
+        le["le256"]: 128, le["le128"]: 128,  # no longer than the bulk: whole blocks
+        le["le1024"]: 32, le["le8192"]: MIN_PIECE_ROWS, le["gt8192"]: MIN_PIECE_ROWS}
+    assert piece_rows(window, 4, DEFAULT_BOUNDARIES)[le["le8192"]] == 4  # never more than a block
+
+
+def test_pieces_spread_a_long_bucket_finely_through_the_window():
+    """1,024 short rows and 128 long ones (4x as long) in blocks of 128: the long rows come
+    as 4 pieces of 32, one in each quarter of the window, not as one block in its middle."""
+    buckets = [1] * 1024 + [3] * 128
+    order = window_order(buckets, 128, DEFAULT_BOUNDARIES)
+    assert sorted(order) == list(range(len(buckets)))
+    long_at = [k for k, i in enumerate(order) if buckets[i] == 3]
+    runs = [list(g) for _, g in groupby(long_at, key=lambda k, c=iter(range(10**6)): k - next(c))]
+    assert [len(r) for r in runs] == [32] * 4
+    quarter = len(order) / 4
+    assert [int(r[0] // quarter) for r in runs] == [0, 1, 2, 3]
+    whole_blocks = [buckets[i] for i in window_order(buckets, 128)]
+    assert whole_blocks.index(3) % 128 == 0  # without bounds: one whole block of them
