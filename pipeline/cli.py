@@ -20,6 +20,7 @@ from rich.table import Table
 from pipeline.config import ConfigError, load_run_config
 from pipeline.storage.inputs import InputError
 from pipeline.storage.ownership import NotOurs
+from pipeline.reuse.sources import ReuseError
 from pipeline.schema import FAILED_STATUSES
 from pipeline.tools.dev.corpus import KINDS
 
@@ -99,7 +100,7 @@ def exit_codes() -> Iterator[None]:
 
     try:
         yield
-    except (ConfigError, InputError, OutputError, OutputBusy, ModelError, ModelFetchError, NotOurs) as e:
+    except (ConfigError, InputError, OutputError, OutputBusy, ModelError, ModelFetchError, NotOurs, ReuseError) as e:
         _fail(EXIT_BAD_CONFIG, str(e))
     except (PublishError, RunStopped) as e:  # its rows wait in its staging
         _fail(EXIT_FAILED, str(e))
@@ -303,6 +304,12 @@ def main() -> None:
 @click.option("--resume", is_flag=True, default=False,
               help="Continue the stopped run of this job and output (killed, or failed with rows committed): "
                    "its committed rows are kept, not generated again. With none stopped, a fresh run.")
+@click.option("--reuse", "reuse_paths", multiple=True, metavar="PATH",
+              help="Take each row whose result key an ok row of these earlier outputs has (folders this pipeline "
+                   "published, globs or object-store prefixes; repeatable) instead of generating it again. "
+                   "Replaces the job's reuse.paths, and takes every output named (no lookback).")
+@click.option("--no-reuse", is_flag=True, default=False,
+              help="Generate every row, whatever the job's reuse section names.")
 @click.option("--restart", is_flag=True, default=False,
               help="Discard the stopped run of this job and output (its staging), and start afresh.")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, metavar="PORT",
@@ -325,7 +332,7 @@ def main() -> None:
               help="Also Ray's own progress output, and every engine's warnings (not just the first of each).")
 def run(job: Path, profile: Path, input_path: str | None, overrides: tuple[str, ...], date: str | None,
         output_path: str | None, on_bad_file: str | None, backup_existing: bool,
-        fail_on_error_rate: float | None, resume: bool, restart: bool,
+        fail_on_error_rate: float | None, resume: bool, reuse_paths: tuple[str, ...], no_reuse: bool, restart: bool,
         metrics_port: int | None, metrics_host: str, metrics_linger_s: float, pushgateway: str | None,
         progress_mode: str, progress_interval_s: float, show: int, verbose: bool) -> None:
     """Run JOB over its input and write summaries to its output folder.
@@ -333,7 +340,7 @@ def run(job: Path, profile: Path, input_path: str | None, overrides: tuple[str, 
     Output: Parquet parts (the input columns, then summary, [the annotation
     columns, raw_output,] prompt_tokens, output_tokens, finish_reason,
     truncated, original_tokens, chunks, bucket, status, error, notes,
-    latency_s, model, run_id) and _report.json, published whole. Every input row comes out
+    latency_s, model, run_id, result_key, reused_from) and _report.json, published whole. Every input row comes out
     exactly once (with passages: once per passage), with status ok, error,
     skipped_too_long, invalid_output or empty_output (the model wrote only
     whitespace).
@@ -365,8 +372,11 @@ def run(job: Path, profile: Path, input_path: str | None, overrides: tuple[str, 
         overrides = (*overrides, f"input.on_bad_file={on_bad_file}")
     if backup_existing:
         overrides = (*overrides, "output.backup_existing=true")
+    if reuse_paths and no_reuse:
+        _fail(EXIT_BAD_CONFIG, "--reuse and --no-reuse exclude each other")
     with exit_codes():
-        config = load_run_config(job, profile, overrides, input_path, output_path, date=date)
+        config = load_run_config(job, profile, overrides, input_path, output_path, date=date,
+                                 reuse=(list(reuse_paths) or None) if not no_reuse else False)
         with chatter_to_log(config.job.name, verbose) as terminal:
             watch = Watch(metrics_port=metrics_port, metrics_host=metrics_host, metrics_linger_s=metrics_linger_s,
                           pushgateway=pushgateway, progress=progress_mode, progress_interval_s=progress_interval_s,

@@ -61,6 +61,9 @@ GENERATED_FIELDS: tuple[pa.Field, ...] = (
     # (`pipeline.generation.result_key`): equal keys, equal results. Null where there is
     # none: no prompt, sampling without a seed, or a model known only by its hub id.
     pa.field("result_key", pa.string()),
+    # The earlier run this row's results were taken from (`reuse:`, `--reuse`): its run id
+    # and date. Null where this run generated the row.
+    pa.field("reused_from", pa.string()),
 )
 GENERATED_COLUMNS: tuple[str, ...] = tuple(f.name for f in GENERATED_FIELDS)
 

@@ -144,6 +144,19 @@ def _fill_date(job: dict[str, Any], date: str | None, job_src: dict[str, str]) -
     return date
 
 
+OUTPUT_FIELD = "{output}"
+
+
+def _fill_reuse_paths(job: dict[str, Any]) -> None:
+    """`{output}` in reuse.paths: the job's own output path, any date (its {date} as *):
+    a nightly job's earlier partitions (the run's own is never taken: see `find_earlier`)."""
+    reuse, output = job.get("reuse"), (job.get("output") or {}).get("path")
+    if not isinstance(reuse, dict) or not isinstance(reuse.get("paths"), list) or not isinstance(output, str):
+        return
+    reuse["paths"] = [p.replace(OUTPUT_FIELD, output.replace(DATE_FIELD, "*")) if isinstance(p, str) else p
+                      for p in reuse["paths"]]
+
+
 def load_run_config(
     job_file: str | Path,
     profile_file: str | Path,
@@ -151,8 +164,10 @@ def load_run_config(
     input_path: str | None = None,
     output_path: str | None = None,
     date: str | None = None,
+    reuse: list[str] | bool | None = None,
 ) -> RunConfig:
-    """Load, merge and check a job and a profile; raise ConfigError naming the culprit."""
+    """Load, merge and check a job and a profile; raise ConfigError naming the culprit.
+    `reuse`: --reuse's paths (every output they name, no lookback), False for --no-reuse."""
     job_file, profile_file = Path(job_file), Path(profile_file)
     job, profile = _read_yaml(job_file), _read_yaml(profile_file)
     job_src: dict[str, str] = {"": str(job_file)}
@@ -176,6 +191,14 @@ def load_run_config(
                 f"{', '.join(sorted(JOB_SECTIONS))}; profile sections: {', '.join(sorted(PROFILE_SECTIONS))}"
             )
 
+    if reuse is False:
+        _apply(job, ["reuse", "enabled"], False, "reuse.enabled=false")
+        job_src["reuse.enabled"] = "--no-reuse"
+    elif reuse:
+        _apply(job, ["reuse", "paths"], list(reuse), "reuse.paths")
+        _apply(job, ["reuse", "lookback"], None, "reuse.lookback")
+        job_src["reuse.paths"] = job_src["reuse.lookback"] = "--reuse"
+    _fill_reuse_paths(job)
     filled = _fill_date(job, date, job_src)
     job_cfg = _validate(JobConfig, job, job_src)
     profile_cfg = _validate(ProfileConfig, profile, profile_src)

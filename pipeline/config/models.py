@@ -178,6 +178,22 @@ class AnnotationsConfig(_Section):
         return [f.with_name(self.column_prefix + f.name) for f in check_schema(self.json_schema)]
 
 
+class ReuseConfig(_Section):
+    """Earlier outputs whose rows a run may take instead of generating them again: a row
+    whose result key (`pipeline.generation.result_key`) an earlier `ok` row has."""
+
+    paths: list[str] = Field(
+        default_factory=list,
+        description="Output folders of this pipeline to take results from: paths, globs (out/job/dt=*) or "
+        "object-store prefixes. Each must hold its _report.json: another tool's Parquet there stops the run.",
+    )
+    lookback: int | None = Field(
+        1, ge=1, description="Of the outputs `paths` names, the newest this many complete ones (by when their "
+        "runs started); null: every one.",
+    )
+    enabled: bool = Field(True, description="Off: every row is generated (--no-reuse).")
+
+
 class JobConfig(_Section):
     name: str = Field(description="Job name, used in the report.")
     input: InputConfig
@@ -189,6 +205,8 @@ class JobConfig(_Section):
         None, description="Split each document into passages, one output row each (knowledge-base ingestion)."
     )
     annotations: AnnotationsConfig | None = None
+    reuse: ReuseConfig = Field(
+        ReuseConfig(), description="Take unchanged rows' results from earlier outputs (nightly runs).")
 
     @model_validator(mode="after")
     def _annotations_need_one_text(self) -> JobConfig:

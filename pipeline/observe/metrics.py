@@ -95,8 +95,7 @@ class EngineMeter:
                  sources: MeterSources | None = None):
         self.engine, self.incarnation, self.node = engine, incarnation, node
         self._send = send
-        sources = sources or MeterSources()
-        self.feeder, self.policy, self._engine = sources.feeder, sources.policy, sources.engine
+        self.attach(sources or MeterSources())
         self._lock = threading.Lock()
         self.rows: Counter[tuple[str, str]] = Counter()  # (status, bucket) -> rows out of this engine
         self.prompt_tokens = 0
@@ -110,6 +109,10 @@ class EngineMeter:
         # once the actor was gone (the final display said 90%, not 100%).
         self._sending = threading.Lock()
         self._seq = 0
+
+    def attach(self, sources: MeterSources) -> None:
+        """Read these from now on (an engine started on demand, after the meter)."""
+        self.feeder, self.policy, self._engine = sources.feeder, sources.policy, sources.engine
 
     def count(self, status: list[str], buckets: list[str | None], prompt_tokens: int, output_tokens: int) -> None:
         with self._lock:

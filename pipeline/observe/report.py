@@ -206,10 +206,13 @@ class RunReport:
     # What every row's `result_key` is made of: its version, the model's content digest,
     # the run's share (`base`), or why there are no keys (`off`).
     result_key: dict[str, Any] = field(default_factory=dict)
+    # What earlier outputs gave (`reuse:`, --reuse): the sources, the lookup's cost, the rows
+    # reused and generated, the tokens not generated and the engine time they took then.
+    reuse: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
-        for optional in ("passages", "annotations", "padding"):
+        for optional in ("passages", "annotations", "padding", "reuse"):
             if out[optional] is None:
                 del out[optional]
         return out
@@ -272,6 +275,10 @@ class RunContext:
     publish: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     result_key: dict[str, Any] = field(default_factory=dict)  # `pipeline.run.plan.result_keys`
+    # Reuse: the earlier outputs (`pipeline.reuse.sources`), why some were left out, the index.
+    reuse_sources: list[Any] = field(default_factory=list)
+    reuse_notes: list[str] = field(default_factory=list)
+    reuse_index: Any = None  # pipeline.reuse.index.ReuseIndex
 
     def wall_s(self) -> float:
         return time.monotonic() - self.started
@@ -319,7 +326,42 @@ def build_report(ctx: RunContext, engine_settings: dict[str, Any]) -> RunReport:
                 "truncated": written["truncated"], "chunked": written["chunked"]},
         plot_path=ctx.plot_path, report_path=f"{job.output.path.rstrip('/')}/{REPORT_NAME}",
         publish=ctx.publish, warnings=ctx.warnings, result_key=ctx.result_key,
+        reuse=reuse_section(ctx, written, actors),
     )
+
+
+def reuse_section(ctx: RunContext, written: dict[str, Any], actors: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """What reuse saved: rows reused (by source) and generated, the output tokens not
+    generated, and the engine time those tokens took in the runs that made them (each
+    source's engine seconds per generated token). None where the job names no source."""
+    reuse = ctx.config.job.reuse
+    if not (reuse.enabled and reuse.paths):
+        return None
+    sources = {s.label: s for s in ctx.reuse_sources}
+    by_source = written.get("reused", {})
+    reused = sum(r["rows"] for r in by_source.values())
+    tokens = sum(r["output_tokens"] for r in by_source.values())
+    saved = sum(r["output_tokens"] * sources[k].seconds_per_token() for k, r in by_source.items() if k in sources)
+    index = ctx.reuse_index
+    notes = list(ctx.reuse_notes)
+    if index is not None and not index.keys:
+        notes.append("no earlier row to reuse: the sources hold no ok row with a result key")
+    engine_s = engine_time(actors, 0)["engine_s"]
+    generated = sum(a.get("output_tokens", 0) for a in actors)
+    return {
+        "sources": [{"path": s.path, "run_id": s.run_id, "date": s.date, "files": len(s.files),
+                     "rows_reused": by_source.get(s.label, {}).get("rows", 0)} for s in ctx.reuse_sources],
+        "notes": notes,
+        "lookup": None if index is None else {"keys": index.keys, "shards": index.shard_count,
+                                               "index_s": round(index.seconds, 3)},
+        "rows_reused": reused,
+        "rows_generated": written["rows"] - reused,
+        "output_tokens_not_generated": tokens,
+        "engine_s_saved": round(saved, 3),
+        # Engine seconds per output token over every row of this output, the reused ones at
+        # their cost when made: what a later night that reuses these rows counts as saved.
+        "engine_s_per_token": (round((engine_s + saved) / (generated + tokens), 9) if generated + tokens else None),
+    }
 
 
 def prefix_cache(actors: list[dict[str, Any]]) -> dict[str, Any] | None:

@@ -50,6 +50,8 @@ from pipeline.observe.progress import progress_for
 from pipeline.observe.report import (RunContext, RunReport, actor_summaries, batching_section, build_report,
                                      engine_calls, write_beside, write_report)
 from pipeline.observe.report_plot import plot_trajectories
+from pipeline.reuse.index import REUSED_FROM, ReuseIndex, keyed_look_up, result_columns
+from pipeline.reuse.sources import EarlierOutput, comparable, find_earlier
 from pipeline.stages.prepare import PrepareSettings, context_limit
 
 log = logging.getLogger(__name__)
@@ -100,8 +102,17 @@ def init_ray(config: RunConfig) -> None:
 
 
 def group_window(batch: pa.Table, block_rows: int | None = None, bounds: list[int] | None = None) -> pa.Table:
-    """One window of prepared rows, grouped by bucket (see `bucketing.window_order`)."""
-    order = window_order(batch.column(schema.BUCKET_INDEX).to_pylist(), block_rows, bounds)
+    """One window of prepared rows, grouped by bucket (see `bucketing.window_order`). With
+    reuse, the rows to generate come first and the reused ones after: blocks then hold
+    one kind, and an engine gets full blocks of work, not a few rows in each."""
+    buckets = batch.column(schema.BUCKET_INDEX).to_pylist()
+    if REUSED_FROM not in batch.column_names:
+        order = window_order(buckets, block_rows, bounds)
+    else:
+        found = batch.column(REUSED_FROM).is_valid().to_pylist()
+        fresh = [i for i, f in enumerate(found) if not f]
+        order = [fresh[k] for k in window_order([buckets[i] for i in fresh], block_rows, bounds)]
+        order += [i for i, f in enumerate(found) if f]
     return batch.take(pa.array(order, pa.int64()))
 
 
@@ -256,7 +267,18 @@ def checked(config: RunConfig, run_id: str) -> RunContext:
                                               passages=job.passages is not None, annotation_fields=annotation_fields)
     except ValueError as e:
         raise InputError(f"{config.job_file}: {job.input.path}: {e}") from None
+    ctx.reuse_sources, ctx.reuse_notes = earlier_outputs(config, ctx.out_schema)
     return ctx
+
+
+def earlier_outputs(config: RunConfig, out_schema: pa.Schema) -> tuple[list[EarlierOutput], list[str]]:
+    """The earlier outputs this run may take results from (`reuse:` in the job, or
+    --reuse), proven this pipeline's (else ReuseError, exit 2), and those left out, why."""
+    reuse = config.job.reuse
+    if not reuse.enabled or not reuse.paths:
+        return [], []
+    found = find_earlier(list(reuse.paths), reuse.lookback, exclude=config.job.output.path)
+    return comparable(found, result_columns(out_schema))
 
 
 def generate(ctx: RunContext, target: OutputTarget, metrics: RunMetrics, verbose: bool = False) -> None:
@@ -273,11 +295,19 @@ def generate(ctx: RunContext, target: OutputTarget, metrics: RunMetrics, verbose
         profile.batching.learned_limits, ctx.limits_key, profile.batching.learned_max_age_days
     )
     init_ray(ctx.config)
-    ds, prepare = build_dataset(ctx, target)
-    run_dataset(ctx, ds, prepare, target, metrics, verbose)
+    # The pool first: its gate is what the reuse lookup tells of rows to generate.
+    pool = EnginePool(profile.hardware, profile.engine.tensor_parallel_size)
+    pool.open()
+    try:
+        ds, prepare = build_dataset(ctx, target, pool.gate)
+        run_dataset(ctx, ds, prepare, target, metrics, pool, verbose)
+    finally:
+        pool.close()
+        if ctx.reuse_index is not None:
+            ctx.reuse_index.close()
 
 
-def build_dataset(ctx: RunContext, target: OutputTarget) -> tuple[Any, PrepareSettings]:
+def build_dataset(ctx: RunContext, target: OutputTarget, gate: Any = None) -> tuple[Any, PrepareSettings]:
     """The dataset, lazily: read, skip what a resumed run committed, prepare, group by
     bucket. Nothing runs until the write pulls it (but the percentile pass, if asked)."""
     config = ctx.config
@@ -300,6 +330,13 @@ def build_dataset(ctx: RunContext, target: OutputTarget) -> tuple[Any, PrepareSe
         prepare = replace(prepare, hold_until=f"{target.staging.root}/{COMMITS}",
                           hold_s=profile.debug.hold_input_until_output_s, hold_after_rows=profile.bucketing.window_rows)
     ds = read_and_prepare(config, ctx.inputs, prepare, skip)
+    ctx.result_key = result_keys(config, prepare)
+    ctx.reuse_index = reuse_index(ctx)
+    if ctx.reuse_index is not None:  # each row's key looked up as it streams by
+        index = ctx.reuse_index
+        ds = ds.map_batches(keyed_look_up, fn_kwargs={"base": ctx.result_key["base"], "shards": index.shards,
+                                                      "columns": index.columns, "gate": gate},
+                            batch_format="pyarrow", num_cpus=0.1)
     if profile.bucketing.grouping == "window":
         # Streaming: each window of prepared rows ordered by bucket, nothing waits for the corpus.
         # Then cut into blocks of an engine's batch: Ray Data hands out blocks, not
@@ -318,8 +355,20 @@ def build_dataset(ctx: RunContext, target: OutputTarget) -> tuple[Any, PrepareSe
     return ds, prepare
 
 
+def reuse_index(ctx: RunContext) -> ReuseIndex | None:
+    """The index of the earlier outputs' keys on the cluster; None where there is nothing
+    to look up (no sources, no keys in them, or this run's results have no keys)."""
+    if not ctx.reuse_sources:
+        return None
+    if ctx.result_key["base"] is None:
+        ctx.reuse_notes.append(f"reuse is off: {ctx.result_key['off']}")
+        return None
+    # Its shards load in their own processes while the run goes on starting.
+    return ReuseIndex(ctx.reuse_sources, result_columns(ctx.out_schema))
+
+
 def run_dataset(ctx: RunContext, ds: Any, prepare: PrepareSettings, target: OutputTarget, metrics: RunMetrics,
-                verbose: bool) -> None:
+                pool: EnginePool, verbose: bool) -> None:
     """Pull the dataset through the engine pool into the staging's parts, with the unique-id
     check beside the engines' start; what the write says goes into `ctx`."""
     from pipeline.storage.sink import ParquetPartsSink
@@ -329,8 +378,6 @@ def run_dataset(ctx: RunContext, ds: Any, prepare: PrepareSettings, target: Outp
     committed = target.committed
     metrics.expect(ctx.inputs.rows, committed.documents() if job.passages is not None else committed.rows)
     hw = config.profile.hardware
-    pool = EnginePool(hw, engine.tensor_parallel_size)
-    pool.open()
     metrics.attach(pool.gate.metrics)
     guard = None
     # Only an engine core apart has workers bound to cores of their own: in the actor's
@@ -341,9 +388,9 @@ def run_dataset(ctx: RunContext, ds: Any, prepare: PrepareSettings, target: Outp
         guard.start()
     try:
         # Each engine warning once per run, unless --verbose.
-        ctx.result_key = result_keys(config, prepare)
         settings = replace(generate_settings(config, prepare, ctx.run_id, quiet_warnings=not verbose),
-                           pool_gate=pool.gate, result_key_base=ctx.result_key["base"])
+                           pool_gate=pool.gate, result_key_base=ctx.result_key["base"],
+                           engine_on_demand=ctx.reuse_index is not None)
         ds = with_engines(ds, config, settings, ctx.start_limits, pool)
         sink = ParquetPartsSink(target.staging, ctx.run_id, ctx.out_schema,
                                 key_columns(job.input.id_column, job.passages is not None), previous=committed.parts,
@@ -374,7 +421,6 @@ def run_dataset(ctx: RunContext, ds: Any, prepare: PrepareSettings, target: Outp
             guard.stop()
             ctx.engine_cpus = guard.summary()
         metrics.detach()
-        pool.close()
 
 
 def with_engines(ds: Any, config: RunConfig, settings: Any, learned: dict[str, int], pool: EnginePool) -> Any:

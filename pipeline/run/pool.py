@@ -181,6 +181,7 @@ class PoolLog:
         self.snapshots: dict[str, dict[str, Any]] = {}  # engine incarnation -> its latest metrics snapshot
         self.warnings = WarningMemory()
         self.cpus: dict[str, dict[int, list[int]]] = {}  # engine incarnation -> its workers' CPUs, by pid
+        self.work = False  # a row to generate was found (reuse on: engines start on demand)
 
     async def arrive(self, who: str, timeout_s: float) -> tuple[bool, str]:
         return await self.barrier.arrive(who, timeout_s)
@@ -217,6 +218,16 @@ class PoolLog:
     def engine_cpus(self, incarnation: str, workers: dict[int, list[int]]) -> None:
         self.cpus[incarnation] = workers
 
+    def work_found(self) -> None:
+        self.work = True
+
+    async def await_work(self) -> bool:
+        import asyncio
+
+        while not self.work:
+            await asyncio.sleep(0.05)
+        return True
+
     def worker_cpus(self) -> dict[str, dict[int, list[int]]]:
         """Each engine incarnation's workers' CPUs, by pid."""
         return dict(self.cpus)
@@ -252,6 +263,17 @@ class PoolGate:
 
         go, why = ray.get(self.log.arrive.remote(uuid.uuid4().hex, self.timeout_s))
         return None if go else why
+
+    def work_found(self) -> None:
+        """The reuse lookup found a row to generate: engines waiting for one start now,
+        while the rest of the corpus is still read and looked up (fire and forget)."""
+        self.log.work_found.remote()
+
+    def await_work(self) -> None:
+        """Return once a row to generate has been found (`work_found`)."""
+        import ray
+
+        ray.get(self.log.await_work.remote())
 
     def hold(self, actor: str, block: str, rows: int) -> None:
         self.log.hold.remote(actor, block, rows)  # fire and forget: one per block

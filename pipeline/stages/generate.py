@@ -65,6 +65,7 @@ from pipeline.generation.vllm import VLLMEngine, VLLMSettings
 from pipeline.generation.vllm_logs import python_warnings_once
 from pipeline.text.length import char_span, windows
 from pipeline.observe.metrics import EngineMeter, MeterSources, engine_name
+from pipeline.reuse.index import REUSED_FROM, REUSED_PREFIX, rows_to_generate
 from pipeline.schema import Status
 from pipeline.stages.lifeline import Lifeline
 from pipeline.stages.prepare import PrepareSettings, PrepareStage
@@ -100,6 +101,37 @@ def at_once(serve: Callable[[str, list[int]], None], runs: list[tuple[str, list[
         f.result()
 
 
+REUSED = "reused"  # a row's working status while its batch is generated: its results are an earlier run's
+
+
+def reused_rows(batch: pa.Table) -> list[int]:
+    """The rows the lookup found earlier results for (`pipeline.reuse.index`)."""
+    if REUSED_FROM not in batch.column_names:
+        return []
+    found = batch.column(REUSED_FROM).is_valid().to_pylist()
+    status = batch.column("status").to_pylist()
+    return [i for i, (f, s) in enumerate(zip(found, status)) if f and s == Status.OK.value]
+
+
+def with_earlier_results(out: pa.Table, batch: pa.Table, reused: list[int]) -> pa.Table:
+    """`out` with each reused row's result columns taken from its earlier row, as the
+    lookup brought them (`_reused.<column>`), in the output's types."""
+    if not reused:
+        return out
+    mask = pc.fill_null(pc.and_(batch.column(REUSED_FROM).is_valid(), pc.equal(batch.column("status"), Status.OK.value)),
+                        False)
+    for name in batch.column_names:
+        if not name.startswith(REUSED_PREFIX):
+            continue
+        column = name[len(REUSED_PREFIX):]
+        if column not in out.column_names:
+            continue
+        at = out.column_names.index(column)
+        kind = out.schema.field(column).type
+        out = out.set_column(at, column, pc.if_else(mask, batch.column(name).cast(kind), out.column(at).cast(kind)))
+    return out
+
+
 @dataclass(frozen=True)
 class AnnotationSettings:
     json_schema: dict[str, Any]
@@ -123,6 +155,9 @@ class GenerateSettings:
     grouping: str = "global"
     merge_identical_prompts: bool = True
     result_key_base: str | None = None  # the run's share of each row's result key; None: no keys
+    # Reuse is on: the engine starts with the first batch that has a row to generate, so a
+    # night whose every row is reused starts none.
+    engine_on_demand: bool = False
     annotations: AnnotationSettings | None = None
     chunk_overlap: int = 64
     inject_faults: tuple[tuple[int, str], ...] = ()  # drills: (window, kind) each, once each
@@ -264,22 +299,6 @@ class GenerateStage:
         self.bucketer = LengthBucketer(settings.prepare.bucket_boundaries)
         self.life = Lifeline(settings.pool_gate, exit_process)
         self.actor = self.life.incarnation
-        try:
-            if settings.fail_on_start:
-                raise RuntimeError("debug.engine_fails_on_start: the engine failed to start")
-            gate = settings.pool_gate
-            warn_once = gate.first_time if settings.quiet_warnings and hasattr(gate, "first_time") else None
-            if warn_once is not None and engine is None:
-                python_warnings_once(warn_once)
-            self.engine = engine or self._build_engine(settings, warn_once)
-        except Exception as e:
-            self.life.start_failed(e)
-            raise
-        self.policy = make_policy(settings, self.engine, learned)
-        self.feeder = EngineFeeder(self.engine, self.policy, feed=settings.feed,
-                                   faults=FaultInjector(then=settings.inject_faults))
-        self.calls = EngineCalls(self.feeder, self.actor, self.actor_totals, self.engine_info,
-                                 IdenticalPrompts() if settings.merge_identical_prompts else None)
         self.sampling = settings.sampling
         self.prep: PrepareStage | None = None  # tokenizer for map-reduce prompts, loaded on first need
         self._prep_lock = threading.Lock()
@@ -290,15 +309,63 @@ class GenerateStage:
             self.parser.parse, self.annotations.retry_max_new_tokens)
         self.placement = where_am_i()
         self._pids = {os.getpid()}
+        self.engine: Engine | None = None
+        self.feeder: EngineFeeder | None = None
+        self.calls: EngineCalls | None = None
+        self.policy: BatchPolicy | None = None
+        self._learned = learned
+        self._starting = threading.Lock()
+        self._start_error: BaseException | None = None
+        self.meter: EngineMeter | None = None
         self.ready_at = round(time.time(), 3)
+        if not settings.engine_on_demand or engine is not None:
+            self._start_engine(engine)
+        elif hasattr(settings.pool_gate, "await_work"):
+            # The engine starts once the reuse lookup finds a row to generate anywhere,
+            # not when this actor's first such block arrives.
+            threading.Thread(target=self._start_on_work, name="engine-on-demand", daemon=True).start()
         self.meter = self._meter(settings.pool_gate)
-        if settings.pool_gate is not None and hasattr(settings.pool_gate, "engine_cpus"):
-            # Where vLLM bound its workers: the driver keeps the run's other processes off them.
-            settings.pool_gate.engine_cpus(self.actor, self.engine.worker_cpus())
         # Wait for the other engines, and for the driver's checks (None: go ahead).
         self.refused = settings.pool_gate.wait() if settings.pool_gate is not None else None
+
+    def _start_engine(self, engine: Engine | None = None) -> None:
+        """Build the engine, its batch policy and feeder; at the actor's start, or with the
+        first batch that has a row to generate (`engine_on_demand`)."""
+        settings = self.settings
+        try:
+            if settings.fail_on_start:
+                raise RuntimeError("debug.engine_fails_on_start: the engine failed to start")
+            gate = settings.pool_gate
+            warn_once = gate.first_time if settings.quiet_warnings and hasattr(gate, "first_time") else None
+            if warn_once is not None and engine is None:
+                python_warnings_once(warn_once)
+            built = engine or self._build_engine(settings, warn_once)
+        except Exception as e:
+            self.life.start_failed(e)
+            raise
+        self.policy = make_policy(settings, built, self._learned)
+        self.feeder = EngineFeeder(built, self.policy, feed=settings.feed,
+                                   faults=FaultInjector(then=settings.inject_faults))
+        self.calls = EngineCalls(self.feeder, self.actor, self.actor_totals, self.engine_info,
+                                 IdenticalPrompts() if settings.merge_identical_prompts else None)
+        self.engine = built
+        self.ready_at = round(time.time(), 3)
+        if self.meter is not None:  # started before the engine: it reads the engine from now on
+            self.meter.attach(MeterSources(self.feeder, self.policy, built))
+        if settings.pool_gate is not None and hasattr(settings.pool_gate, "engine_cpus"):
+            # Where vLLM bound its workers: the driver keeps the run's other processes off them.
+            settings.pool_gate.engine_cpus(self.actor, built.worker_cpus())
         if settings.stall_timeout_s:
             self.life.watch(self.feeder.stalled_s, settings.stall_timeout_s, self._kill_core())
+
+    def _start_on_work(self) -> None:
+        try:
+            self.settings.pool_gate.await_work()
+            with self._starting:
+                if self.engine is None:
+                    self._start_engine()
+        except BaseException as e:  # the next batch to need the engine raises it
+            self._start_error = e
 
     def _build_engine(self, settings: GenerateSettings, warn_once: Any) -> Engine:
         if settings.backend == "transformers" and settings.hf is not None:
@@ -315,7 +382,7 @@ class GenerateStage:
         return meter
 
     def _kill_core(self) -> Callable[[], object]:
-        return self.engine.kill_core
+        return self.engine.kill_core if self.engine is not None else (lambda: False)
 
     def engine_info(self) -> dict[str, Any]:
         return {
@@ -392,6 +459,12 @@ class GenerateStage:
     def __call__(self, batch: pa.Table) -> pa.Table:
         if self.refused is not None:
             raise RunRefused(self.refused)
+        if self.engine is None and rows_to_generate(batch):
+            with self._starting:
+                if self._start_error is not None:
+                    raise self._start_error
+                if self.engine is None:
+                    self._start_engine()
         with self.life.serving(batch.num_rows):
             try:
                 out = self._generate(batch)
@@ -414,7 +487,10 @@ class GenerateStage:
 
     def _generate(self, batch: pa.Table) -> pa.Table:
         rows = RowOutcomes.of(batch, annotating=self.annotations is not None)
-        calls = self.calls.batch()
+        reused = reused_rows(batch)
+        for i in reused:
+            rows.status[i] = REUSED  # not generated: its results are an earlier run's
+        calls = BatchCalls(self.calls)  # makes no call unless a row is generated, and then has an engine
         # The prompts' columns as Python lists once per batch: the calls and the keys read them.
         token_ids = batch.column(schema.PROMPT_TOKEN_IDS).to_pylist()
         chunk_texts = batch.column(schema.CHUNK_TEXTS).to_pylist()
@@ -422,15 +498,23 @@ class GenerateStage:
                           if schema.ANNOTATION_TOKEN_IDS in batch.column_names else [None] * batch.num_rows)
         self._whole_documents(batch, rows, calls, token_ids, chunk_texts, annotation_ids)
         self._chunked_documents(batch, rows, calls, chunk_texts)
-        keys = ([result_key(self.result_key_base, p, a, c) for p, a, c in zip(token_ids, annotation_ids, chunk_texts)]
-                if self.result_key_base is not None else [None] * batch.num_rows)
+        if "result_key" in batch.column_names:  # keyed for the lookup (`pipeline.reuse.index`)
+            keys = batch.column("result_key")
+        else:
+            keys = pa.array([result_key(self.result_key_base, p, a, c) for p, a, c in
+                             zip(token_ids, annotation_ids, chunk_texts)] if self.result_key_base is not None
+                            else [None] * batch.num_rows, pa.string())
+        for i in reused:
+            rows.status[i] = Status.OK.value
         out = batch.drop_columns([c for c in (schema.PROMPT_TOKEN_IDS, schema.CHUNK_TEXTS, "status", "error",
-                                              schema.ANNOTATION_TOKEN_IDS) if c in batch.column_names])
+                                              schema.ANNOTATION_TOKEN_IDS, "result_key") if c in batch.column_names])
         columns = rows.columns(self.parser, self.annotations.column_prefix if self.annotations else "")
         columns |= {
             "model": pa.array([self.model_name] * batch.num_rows, pa.string()),
             "run_id": pa.array([self.run_id] * batch.num_rows, pa.string()),
-            "result_key": pa.array(keys, pa.string()),
+            "result_key": keys,
+            "reused_from": (batch.column(REUSED_FROM) if REUSED_FROM in batch.column_names
+                            else pa.nulls(batch.num_rows, pa.string())),
             schema.ENGINE_CALL: pa.array(rows.call_of, pa.string()),
             # The calls' records ride on the batch's first row, for the report.
             schema.ENGINE_CALL_STATS: pa.array([json.dumps(calls.records) if calls.records else None]
@@ -439,7 +523,7 @@ class GenerateStage:
         }
         for name, values in columns.items():
             out = out.append_column(name, values)
-        return out
+        return with_earlier_results(out, batch, reused)
 
     def _whole_documents(self, batch: pa.Table, rows: RowOutcomes, calls: BatchCalls, token_ids: list[Any],
                          chunk_texts: list[Any], annotation_ids: list[Any]) -> None:

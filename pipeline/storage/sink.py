@@ -153,6 +153,13 @@ def _block_stats(table: pa.Table, text_column: str = "text") -> dict[str, Any]:
             c["max_prompt_tokens"] = max(c["max_prompt_tokens"], p)
             c["rows_written"] += 1
     call_records = [r for x in table.column(schema.ENGINE_CALL_STATS).to_pylist() if x for r in json.loads(x)]
+    reused: dict[str, dict[str, int]] = {}  # by the run each reused row's results came from
+    if "reused_from" in table.column_names:
+        for source, tokens in zip(table.column("reused_from").to_pylist(), output_tokens):
+            if source is not None:
+                r = reused.setdefault(source, {"rows": 0, "output_tokens": 0})
+                r["rows"] += 1
+                r["output_tokens"] += tokens or 0
     prepared = pc.min_max(table.column(schema.PREPARED_AT)) if schema.PREPARED_AT in table.column_names else None
     return {
         "prepared_at": None if prepared is None else [prepared["min"].as_py(), prepared["max"].as_py()],
@@ -165,6 +172,7 @@ def _block_stats(table: pa.Table, text_column: str = "text") -> dict[str, Any]:
         "output_tokens": sum(output_tokens),
         "call_rows": call_rows,
         "call_records": call_records,
+        "reused": reused,
         "quality": _quality(table, text_column),
     }
 
@@ -173,7 +181,7 @@ def merge_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
     """Fold per-task stats into one: counts add, lists concatenate, calls merge by id."""
     merged: dict[str, Any] = {
         "files": [], "rows": 0, "status": Counter(), "prompt_tokens_by_bucket": defaultdict(Counter),
-        "prompt_tokens": 0, "output_tokens": 0, "truncated": 0, "chunked": 0, "calls": {}, "quality": {},
+        "prompt_tokens": 0, "output_tokens": 0, "truncated": 0, "chunked": 0, "calls": {}, "quality": {}, "reused": {},
         "timeline": {"first_row_prepared_at": None, "last_row_prepared_at": None,
                      "first_part_written_at": None, "last_part_written_at": None},
     }
@@ -208,6 +216,10 @@ def merge_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
             m["output_tokens"].update({int(n): c for n, c in q["output_tokens"].items()})
             if "annotations" in q:
                 add_annotation_counts(m.setdefault("annotations", annotation_counts()), q["annotations"])
+        for source, r in part.get("reused", {}).items():  # parts committed before reuse have none
+            m = merged["reused"].setdefault(source, {"rows": 0, "output_tokens": 0})
+            m["rows"] += r["rows"]
+            m["output_tokens"] += r["output_tokens"]
         for r in part["call_records"]:
             records[r["call"]] = r
         # A call's rows may land in several blocks: widen its observed range.

@@ -14,7 +14,7 @@ from pipeline.storage.output import REPORT_NAME, OutputTarget
 
 
 def block(ids, bucket, call, first_stats=None, status="ok", texts=None, summaries=None, finish=None,
-          output_tokens=None):
+          output_tokens=None, reused_from=None):
     n = len(ids)
     return pa.table({
         "id": ids, "text": texts or ["t"] * n, "summary": summaries or ["s"] * n,
@@ -27,6 +27,7 @@ def block(ids, bucket, call, first_stats=None, status="ok", texts=None, summarie
         "status": status if isinstance(status, list) else [status] * n, "error": pa.array([None] * n, pa.string()),
         "latency_s": [0.1] * n, "model": ["m"] * n, "run_id": ["r"] * n,
         "result_key": pa.array([None] * n, pa.string()),
+        "reused_from": pa.array(reused_from or [None] * n, pa.string()),
         schema.BUCKET_INDEX: pa.array([0] * n, pa.int32()),
         schema.ENGINE_CALL: pa.array([call] * n, pa.string()),
         schema.ENGINE_CALL_STATS: ([json.dumps([first_stats])] + [None] * (n - 1) if first_stats

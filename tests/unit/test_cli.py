@@ -134,3 +134,6 @@ def test_gc_lists_then_deletes_a_stopped_run_and_resume_excludes_restart(tmp_pat
     both = CliRunner().invoke(main, ["run", "jobs/nightly_summarize.yaml", "--profile", "conf/local.yaml",
                                      "--resume", "--restart"])
     assert both.exit_code == EXIT_BAD_CONFIG and "exclude each other" in both.output
+    reuse = CliRunner().invoke(main, ["run", "jobs/nightly_summarize.yaml", "--profile", "conf/local.yaml",
+                                      "--reuse", str(tmp_path), "--no-reuse"])
+    assert reuse.exit_code == EXIT_BAD_CONFIG and "--reuse and --no-reuse exclude each other" in reuse.output

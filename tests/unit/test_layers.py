@@ -22,6 +22,7 @@ LAYERS = [
     ("storage", "filesystems, inputs, parts, commits, the output, leases, ownership"),
     ("observe", "metrics, progress, the report and its plot, the machine"),
     ("models", "what model.name names, and the tiny model"),
+    ("reuse", "earlier outputs proven ours, and the lookup of result keys in them"),
     ("stages", "the Ray Data stages, Arrow in and Arrow out"),
     ("run", "running a job on Ray: the job, plan, pool, learned limits"),
     ("tools", "tune, the offline corpus, the GPU check"),

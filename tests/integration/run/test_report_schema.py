@@ -15,8 +15,10 @@ TOP = {
     "busy_fraction": NUM, "fill": NUM, "batching": dict, "engine": dict, "engine_calls": list, "files": list,
     "versions": dict, "date": OPT_STR, "input_files": dict, "length": dict, "plot_path": OPT_STR,
     "report_path": str, "publish": dict, "timeline": dict, "checks": dict, "resume": (dict, type(None)),
-    "incidents": list, "warnings": list, "result_key": dict,
+    "incidents": list, "warnings": list, "result_key": dict, "reuse": dict,
 }
+REUSE = {"sources": list, "notes": list, "lookup": (dict, type(None)), "rows_reused": int, "rows_generated": int,
+         "output_tokens_not_generated": int, "engine_s_saved": NUM, "engine_s_per_token": (float, type(None))}
 BATCHING = {"policy": str, "feed": str, "memory_target": (float, type(None)), "rows_per_call": (int, type(None)),
             "tuned_rows": (dict, type(None)), "backoffs": int, "per_bucket": dict, "learned_limits": dict,
             "merge_identical_prompts": dict}
@@ -70,6 +72,9 @@ def test_report_keys_and_types_are_pinned(job_run):
         check(e, ENGINE, "engine.engines[]")
     assert set(r["tokens"]) == {"prompt", "output", "generated"}
     assert set(r["result_key"]) == {"version", "model_digest", "base", "off"}
+    # The nightly job reuses its own earlier partitions; the shared run's output has none.
+    check(r["reuse"], REUSE, "reuse")
+    assert r["reuse"]["sources"] == [] and r["reuse"]["rows_reused"] == 0 and r["reuse"]["lookup"] is None
     assert set(r["publish"]) == {"replaces_run", "replaces_files", "backup", "mode"}
     assert set(r["input_files"]) == {"format", "read", "skipped"}
     assert set(r["length"]) == {"policy", "max_input_tokens", "keep", "outlier_percentile", "chunk_overlap",

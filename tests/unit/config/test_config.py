@@ -193,3 +193,15 @@ def test_faults_are_the_shorthand_and_the_list_in_batch_order():
     assert DebugConfig().faults() == ()
     with pytest.raises(ValueError, match="at_batch"):
         DebugConfig(more_faults=[{"at_batch": 0}])
+
+
+def test_the_nightly_job_reuses_its_own_partitions_of_any_date_and_the_cli_can_say_otherwise():
+    job, local = REPO / "jobs/nightly_summarize.yaml", REPO / "conf/local.yaml"
+    cfg = load_run_config(job, local, date="2026-11-29")
+    assert cfg.job.reuse.paths == ["out/nightly_summarize/dt=*"] and cfg.job.reuse.lookback == 1
+    moved = load_run_config(job, local, output_path="/data/out/dt={date}", date="2026-11-29")
+    assert moved.job.reuse.paths == ["/data/out/dt=*"] and moved.job.output.path == "/data/out/dt=2026-11-29"
+    named = load_run_config(job, local, reuse=["s3://b/out/dt=*", "/x"])
+    assert named.job.reuse.paths == ["s3://b/out/dt=*", "/x"] and named.job.reuse.lookback is None
+    assert load_run_config(job, local, reuse=False).job.reuse.enabled is False
+    assert load_run_config(KB, local).job.reuse.paths == []  # no reuse unless a job names it

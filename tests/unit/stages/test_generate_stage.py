@@ -225,3 +225,54 @@ def test_a_failed_bucket_call_raises_once_every_other_has_ended():
     with pytest.raises(RuntimeError, match="engine died"):
         at_once(serve, [("le128", [0]), ("le512", [1]), ("le1024", [2])])
     assert sorted(ended) == ["le1024", "le512"]
+
+
+def looked_up(prepared, earlier):
+    """`prepared` as the reuse lookup hands it on: each row's key, and for the rows in
+    `earlier` (position: summary) an earlier run's results (`pipeline.reuse.index`)."""
+    from pipeline.reuse.index import REUSED_FROM, REUSED_PREFIX
+
+    n = prepared.num_rows
+    found = [earlier.get(i) for i in range(n)]
+    return (prepared.append_column("result_key", pa.array([f"v1:k{i}" for i in range(n)]))
+            .append_column(REUSED_FROM, pa.array([None if f is None else "r0 (2026-12-01)" for f in found], pa.string()))
+            .append_column(REUSED_PREFIX + "summary", pa.array(found, pa.string()))
+            .append_column(REUSED_PREFIX + "output_tokens", pa.array([None if f is None else 9 for f in found], pa.int32()))
+            .append_column(REUSED_PREFIX + "finish_reason", pa.array([None if f is None else "stop" for f in found]))
+            .append_column(REUSED_PREFIX + "latency_s", pa.array([None if f is None else 0.5 for f in found])))
+
+
+def test_reused_rows_take_the_earlier_results_and_only_the_others_reach_the_engine(tiny_model):
+    engine = FakeEngine(reply=lambda ids, s: "fresh")
+    prepare, generate = stages(tiny_model, "jobs/nightly_summarize.yaml", [], engine)
+    out = generate(looked_up(prepare(CORPUS), {1: "from night one"}))
+    rows = {r["id"]: r for r in out.to_pylist()}
+    assert len(engine.submitted) == 2 and {r["status"] for r in rows.values()} == {"ok"}
+    b = rows["b"]
+    assert (b["summary"], b["output_tokens"], b["finish_reason"], b["latency_s"]) == ("from night one", 9, "stop", 0.5)
+    assert b["reused_from"] == "r0 (2026-12-01)" and b[schema.ENGINE_CALL] is None and b["result_key"] == "v1:k1"
+    assert [rows[i]["summary"] for i in "ac"] == ["fresh", "fresh"]
+    assert [rows[i]["reused_from"] for i in "ac"] == [None, None]
+    assert out.schema.field("output_tokens").type == pa.int32()
+
+
+def test_with_every_row_reused_no_engine_starts_until_a_row_needs_one(tiny_model):
+    from dataclasses import replace
+
+    prepare, generate = stages(tiny_model, "jobs/nightly_summarize.yaml", [], FakeEngine())
+    lazy = GenerateStage(replace(generate.settings, engine_on_demand=True))
+    built = []
+
+    def build(settings, warn_once):
+        built.append(FakeEngine(reply=lambda ids, s: "fresh"))
+        return built[-1]
+
+    lazy._build_engine = build
+    prepared = prepare(CORPUS)
+    out = lazy(looked_up(prepared, {0: "one", 1: "two", 2: "three"}))
+    assert out.column("summary").to_pylist() == ["one", "two", "three"]
+    assert set(out.column("status").to_pylist()) == {"ok"} and lazy.engine is None and built == []
+    assert out.column(schema.ENGINE_CALL_STATS).to_pylist() == [None] * 3  # no engine call to report
+    out = lazy(looked_up(prepared, {0: "one"}))
+    assert len(built) == 1 and lazy.engine is built[0] and len(built[0].submitted) == 2
+    assert out.column("summary").to_pylist() == ["one", "fresh", "fresh"]

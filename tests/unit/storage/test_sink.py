@@ -178,3 +178,11 @@ def test_annotation_tries_and_values_found_in_the_text_are_counted_and_merged():
     merged = merge_stats([{"file": "p0", **stats}, {"file": "p1", **again}])
     assert merged["quality"]["le128"]["annotations"]["found"]["keywords"] == {"values": 6, "in_text": 4}
     assert merged["quality"]["le128"]["annotations"]["after_retry"] == 2
+
+
+def test_reused_rows_are_counted_by_the_run_they_came_from():
+    t = block(["a", "b", "c"], "le128", None, output_tokens=[4, 6, 8], reused_from=["r0 (2026-12-01)", None, "r0 (2026-12-01)"])
+    stats = _block_stats(t)
+    assert stats["reused"] == {"r0 (2026-12-01)": {"rows": 2, "output_tokens": 12}}
+    merged = merge_stats([{"file": "p0", **stats}, {"file": "p1", **stats}, {"file": "p2", **_block_stats(block(["d"], "le128", "c1"))}])
+    assert merged["reused"] == {"r0 (2026-12-01)": {"rows": 4, "output_tokens": 24}}

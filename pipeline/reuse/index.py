@@ -1,0 +1,244 @@
+"""The lookup of result keys in earlier outputs, on the cluster, streaming.
+
+    earlier outputs --each shard reads, keeps its keys--> KeyShard actors (key -> results)
+    prepared rows --look_up (map_batches)--> + _reused_from, _reused.<column>
+
+The earlier `ok` rows' keys and result columns are hashed into shards, each a Ray actor
+holding at most `KEYS_PER_SHARD` keys: no process holds the whole index, and the
+driver holds none of it. The lookup is a map over the prepared rows as they stream by:
+each batch asks each shard for its own keys, so the first rows to generate reach the
+engines while the rest of the corpus is still being read and looked up (a join would
+hold every row back until both sides were shuffled).
+
+A key found in several earlier outputs takes the newest's row (equal keys, equal
+results: what differs is which run it names). Rows that were not `ok` are not indexed:
+they are generated again.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import zlib
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from pipeline import schema
+from pipeline.generation.result_key import result_key
+from pipeline.reuse.sources import EarlierOutput
+
+KEYS_PER_SHARD = 500_000
+REUSED_FROM = "_reused_from"  # the earlier run a row's results come from (null: not found)
+REUSED_PREFIX = "_reused."  # the earlier row's result columns, travelling to the generate stage
+
+# What a reused row takes from its earlier one; the rest is this run's (prepare computes
+# the same prompt tokens, truncation, chunks and bucket for the same key).
+BASE_RESULTS = ("summary", "output_tokens", "finish_reason", "latency_s")
+ANNOTATION_RESULTS = (schema.RAW_OUTPUT.name, schema.ANNOTATION_TRIES.name, schema.SUMMARY_FINISH.name)
+
+
+def result_columns(out_schema: pa.Schema) -> list[str]:
+    """The columns a reused row takes from its earlier row, in `out_schema`: the summary,
+    the annotation columns (between the summary and `raw_output`), and how they ended."""
+    names = out_schema.names
+    annotations = (names[names.index("summary") + 1:names.index(schema.RAW_OUTPUT.name)]
+                   if schema.RAW_OUTPUT.name in names else [])
+    return [*BASE_RESULTS, *annotations, *(n for n in ANNOTATION_RESULTS if n in names)]
+
+
+def shard_of(key: str, shards: int) -> int:
+    return zlib.crc32(key.encode()) % shards
+
+
+def shard_count(rows: int) -> int:
+    return max(1, math.ceil(rows / KEYS_PER_SHARD))
+
+
+class KeyShard:
+    """One shard of the index (a Ray actor): its keys, each with its row of results."""
+
+    def __init__(self) -> None:
+        self._tables: list[pa.Table] = []
+        self._rows = 0
+        self._index: dict[str, tuple[int, int]] = {}  # key -> (rank of its source, row)
+        self._table: pa.Table | None = None
+
+    def add(self, table: pa.Table, rank: int) -> int:
+        """Rows of one source (`rank` 0 is the newest): `result_key` and the results."""
+        index = self._index
+        for row, key in enumerate(table.column("result_key").to_pylist(), self._rows):
+            have = index.get(key)
+            if have is None or rank < have[0]:
+                index[key] = (rank, row)
+        self._tables.append(table.drop_columns(["result_key"]))
+        self._rows += table.num_rows
+        self._table = None
+        return table.num_rows
+
+    def size(self) -> int:
+        return len(self._index)
+
+    def load(self, files: list[tuple[str, int, str]], number: int, shards: int,
+             columns: list[str]) -> tuple[int, float]:
+        return _load(self, files, number, shards, columns)
+
+    def look_up(self, keys: list[str]) -> pa.Table:
+        """The results of each key's earlier row, in order; a row of nulls where none."""
+        if self._table is None and self._tables:
+            self._table = pa.concat_tables(self._tables)
+            self._tables = [self._table]
+        if self._table is None:
+            return pa.table({REUSED_FROM: pa.nulls(len(keys), pa.string())})
+        rows = [self._index.get(k, (0, None))[1] for k in keys]
+        return self._table.take(pa.array(rows, pa.int64()))
+
+
+def _ok_keyed(batch: pa.Table) -> pa.Table:
+    keep = pc.and_(pc.equal(batch.column("status"), schema.Status.OK.value), pc.is_valid(batch.column("result_key")))
+    return batch.filter(pc.fill_null(keep, False))
+
+
+def _load(shard: KeyShard, files: list[tuple[str, int, str]], number: int, shards: int,
+          columns: list[str]) -> tuple[int, float]:
+    """Read the earlier outputs' files, one at a time, keeping this shard's keyed `ok` rows
+    (each file: its URI, its source's rank, its source's label). (keys held, seconds)."""
+    import pyarrow.parquet as pq
+
+    from pipeline.storage.fs import resolve
+
+    t = time.monotonic()
+    for uri, rank, label in files:
+        fs, path = resolve(uri)
+        table = _ok_keyed(pq.read_table(path, columns=["result_key", "status", *columns], filesystem=fs))
+        keys = table.column("result_key").to_pylist()
+        mine = pa.array([i for i, k in enumerate(keys) if shard_of(k, shards) == number], pa.int64())
+        table = table.take(mine)
+        shard.add(pa.table({"result_key": table.column("result_key"),
+                            REUSED_FROM: pa.array([label] * table.num_rows, pa.string()),
+                            **{REUSED_PREFIX + c: table.column(c) for c in columns}}), rank)
+    return shard.size(), time.monotonic() - t
+
+
+class ReuseIndex:
+    """The shards of one run's index, loading from its earlier outputs.
+
+    Each shard reads every file and keeps its own keys (a file at a time: it holds no
+    more than its shard and one file), in its own process, from the moment the index is
+    made: the run goes on starting meanwhile, and a lookup that reaches a shard still
+    loading waits for it (an actor runs its calls in order). Read once per shard: for a
+    few shards (500,000 keys each) that costs less than a shuffle's start."""
+
+    def __init__(self, sources: list[EarlierOutput], columns: list[str]):
+        import ray
+
+        self.sources = [s for s in sources if s.key_version is not None]
+        self.columns = columns
+        rows = sum(s.rows for s in self.sources)
+        self.shard_count = shard_count(rows)
+        files = [(f"{s.path.split('://', 1)[0]}://{f}" if "://" in s.path else f, rank, s.label)
+                 for rank, s in enumerate(self.sources) for f in s.files]
+        self.shards = [ray.remote(num_cpus=0)(KeyShard).remote() for _ in range(self.shard_count)]
+        self._loads = [s.load.remote(files, k, self.shard_count, columns) for k, s in enumerate(self.shards)]
+        self._loaded: list[tuple[int, float]] | None = None
+
+    def _wait(self) -> list[tuple[int, float]]:
+        import ray
+
+        if self._loaded is None:
+            self._loaded = ray.get(self._loads)
+        return self._loaded
+
+    @property
+    def keys(self) -> int:
+        """Keys indexed (waits for the shards to finish loading)."""
+        return sum(n for n, _ in self._wait())
+
+    @property
+    def seconds(self) -> float:
+        """How long the slowest shard took to load."""
+        return max((s for _, s in self._wait()), default=0.0)
+
+    def close(self) -> None:
+        """End the shard actors, by their handles (their counts kept for the report)."""
+        import ray
+
+        if self.shards and self._loaded is None:
+            try:
+                self._wait()
+            except Exception:  # a shard that failed: the run says so elsewhere
+                self._loaded = []
+        for s in self.shards:
+            ray.kill(s)
+        self.shards = []
+
+
+def batch_keys(batch: pa.Table, base: str | None) -> pa.Array:
+    """Every row's result key of a prepared batch, from its prompt's working columns."""
+    n = batch.num_rows
+    if base is None:
+        return pa.nulls(n, pa.string())
+    ids = batch.column(schema.PROMPT_TOKEN_IDS).to_pylist()
+    chunks = batch.column(schema.CHUNK_TEXTS).to_pylist()
+    annotation = (batch.column(schema.ANNOTATION_TOKEN_IDS).to_pylist()
+                  if schema.ANNOTATION_TOKEN_IDS in batch.column_names else [None] * n)
+    return pa.array([result_key(base, p, a, c) for p, a, c in zip(ids, annotation, chunks)], pa.string())
+
+
+def rows_to_generate(batch: pa.Table) -> bool:
+    """Whether a row of `batch` is to be generated: ok after prepare, and not found."""
+    ok = pc.equal(batch.column("status"), schema.Status.OK.value)
+    if REUSED_FROM in batch.column_names:
+        ok = pc.and_(ok, batch.column(REUSED_FROM).is_null())
+    return bool(pc.any(pc.fill_null(ok, False)).as_py())
+
+
+def keyed_look_up(batch: pa.Table, base: str, shards: list[Any], columns: list[str], gate: Any = None) -> pa.Table:
+    """A prepared batch with its rows' result keys (`result_key`), then looked up. A batch
+    with a row to generate tells the engine pool's `gate` (one message, not awaited), so
+    the engines start while the rest of the corpus is read."""
+    out = look_up(batch.append_column("result_key", batch_keys(batch, base)), shards, columns)
+    if gate is not None and rows_to_generate(out):
+        gate.work_found()
+    return out
+
+
+def by_shard(keys: list[str | None], shards: int) -> dict[int, list[int]]:
+    """The rows of each shard, by their keys (rows without a key are in none)."""
+    out: dict[int, list[int]] = {}
+    for i, k in enumerate(keys):
+        if k is not None:
+            out.setdefault(shard_of(k, shards), []).append(i)
+    return out
+
+
+def look_up(batch: pa.Table, shards: list[Any], columns: list[str]) -> pa.Table:
+    """`batch` with each row's earlier results where its key is indexed: `_reused_from`
+    names the run, `_reused.<column>` hold the values (nulls where it was not found)."""
+    import ray
+
+    keys = batch.column("result_key").to_pylist()
+    rows = by_shard(keys, len(shards))
+    found = ray.get([shards[s].look_up.remote([keys[i] for i in members]) for s, members in rows.items()])
+    return with_found(batch, list(rows.values()), found, columns)
+
+
+def with_found(batch: pa.Table, rows: list[list[int]], found: list[pa.Table], columns: list[str]) -> pa.Table:
+    """`batch` with the shards' answers (`found[k]` for the rows `rows[k]`, in order) as
+    columns aligned with its rows."""
+    position: list[int | None] = [None] * batch.num_rows
+    for at, i in enumerate(i for members in rows for i in members):
+        position[i] = at
+    take = pa.array(position, pa.int64())
+    types = {f.name: f.type for t in reversed(found) for f in t.schema}
+    for name in [REUSED_FROM, *(REUSED_PREFIX + c for c in columns)]:
+        kind = types.get(name, pa.string() if name == REUSED_FROM else pa.null())
+        if not found:
+            batch = batch.append_column(name, pa.nulls(batch.num_rows, kind))
+            continue
+        # A shard with nothing indexed answers with no result columns: nulls of their type.
+        chunks = [c for t in found
+                  for c in (t.column(name) if name in t.column_names else pa.chunked_array([pa.nulls(t.num_rows, kind)])).chunks]
+        batch = batch.append_column(name, pa.chunked_array(chunks, kind).take(take))
+    return batch

@@ -1,0 +1,156 @@
+"""Incremental nightly runs through the CLI, real Ray and real vLLM on the tiny model: one
+corpus over three nights, night 1 being the session's shared run (tests/integration/conftest.py).
+
+- night 2: 5% of the documents edited, 2% new, 1% removed, and one row that was an error
+  on night 1; exactly those are generated, every other row is night 1's;
+- the same corpus once more: every row reused, no engine started, the output whole;
+- night 3: another prompt template: every row generated.
+"""
+
+import json
+import shutil
+import sys
+import time
+from collections import Counter
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+
+from tests.helpers import REPO
+from tests.helpers.runs import read_run, run_cli, run_processes, start, wait_for
+
+JOB = REPO / "jobs/nightly_summarize.yaml"
+PROFILE = REPO / "conf/local.yaml"
+RESULTS = ("summary", "finish_reason", "output_tokens", "prompt_tokens", "truncated", "bucket", "result_key")
+
+
+def keyed_sets(job_run):
+    """Night 1's settings that go into a row's key (the model, max_new_tokens, the context):
+    the rest of the shared run's (two engines, held input) change no result."""
+    sets = list(job_run.sets)
+    out = []
+    for flag, value in zip(sets[::2], sets[1::2]):
+        if value.split("=")[0] in ("model.name", "sampling.max_new_tokens", "engine.max_model_len",
+                                   "batching.learned_limits"):
+            out += [flag, value]
+    return out
+
+
+@pytest.fixture(scope="module")
+def nights(job_run, tmp_path_factory):
+    """Night 2's corpus and output, after night 1 (the shared run) with one row made an
+    error in a copy of its output (what a failed row looks like there)."""
+    tmp = tmp_path_factory.mktemp("nights")
+    night1 = job_run.written
+    # An error row on night 1, in a copy of its output: one whose key no other row shares.
+    keys = Counter(night1.column("result_key").to_pylist())
+    corpus = job_run.corpus.to_pylist()
+    key_of = {r["id"]: r["result_key"] for r in night1.to_pylist()}
+    failed = next(r["id"] for r in corpus[30:] if keys[key_of[r["id"]]] == 1)  # neither removed nor edited
+    flipped = tmp / "night1"
+    shutil.copytree(job_run.output, flipped)
+    for part in json.loads((flipped / "_report.json").read_text())["files"]:
+        t = pq.read_table(flipped / part)
+        hit = pc.equal(t.column("id"), failed)
+        t = t.set_column(t.schema.get_field_index("status"), "status",
+                         pc.if_else(hit, pa.scalar("error"), t.column("status")))
+        t = t.set_column(t.schema.get_field_index("summary"), "summary",
+                         pc.if_else(hit, pa.scalar(None, pa.string()), t.column("summary")))
+        pq.write_table(t, flipped / part)
+    removed = {r["id"] for r in corpus[:2]}  # 1%
+    edited = {r["id"] for r in corpus[2:12]}  # 5%
+    rows = [r | {"text": r["text"] + " Edited tonight."} if r["id"] in edited else r
+            for r in corpus if r["id"] not in removed]
+    new = [r | {"id": f"new-{k}", "text": r["text"] + " A new document."} for k, r in enumerate(corpus[20:24])]  # 2%
+    path = tmp / "night2.parquet"
+    pq.write_table(pa.Table.from_pylist(rows + new, schema=job_run.corpus.schema), path)
+    out = tmp / "out" / "dt={date}"
+    sets = keyed_sets(job_run)
+    run = read_run(tmp / "out" / "dt=2026-11-02", path, run_cli(
+        JOB, PROFILE, "--date", "2026-11-02", "--input", str(path), "--output", str(out), "--reuse", str(flipped),
+        *sets))
+    return {"run": run, "night1": night1, "failed": failed, "edited": edited, "new": {r["id"] for r in new},
+            "removed": removed, "corpus": path, "out": out, "sets": sets, "tmp": tmp}
+
+
+def test_night_2_generates_exactly_the_edited_new_and_failed_rows(nights):
+    run = nights["run"]
+    out = {r["id"]: r for r in run.written.to_pylist()}
+    assert Counter(run.written.column("id").to_pylist()) == Counter(run.corpus.column("id").to_pylist())
+    generated = {i for i, r in out.items() if r["reused_from"] is None}
+    assert generated == nights["edited"] | nights["new"] | {nights["failed"]}
+    assert {r["status"] for r in out.values()} == {"ok"}
+    reuse = run.report["reuse"]
+    assert reuse["rows_reused"] == len(out) - len(generated) and reuse["rows_generated"] == len(generated)
+    assert reuse["sources"][0]["rows_reused"] == reuse["rows_reused"] and reuse["lookup"]["keys"] > 0
+    assert reuse["output_tokens_not_generated"] > 0 and reuse["engine_s_saved"] > 0
+    actors = run.report["engine"]["actors"]  # rows with one prompt between them are one request
+    assert sum(a["requests"] + sum(a["merged"].values()) for a in actors) == len(generated)
+
+
+def test_night_2_keeps_night_1s_results_for_every_other_row(nights):
+    night1 = {r["id"]: r for r in nights["night1"].to_pylist()}
+    run = nights["run"]
+    for r in run.written.to_pylist():
+        if r["reused_from"] is None:
+            continue
+        before = night1[r["id"]]
+        assert {c: r[c] for c in RESULTS} == {c: before[c] for c in RESULTS}, r["id"]
+        assert r["reused_from"].startswith(before["run_id"]) and r["run_id"] == run.report["run_id"]
+
+
+def test_a_night_whose_every_row_is_reused_starts_no_engine(nights, ray_tmp):
+    """The same corpus again, reusing the latest earlier partition by the job's own default
+    (night 2's); the engine core would be a process of its own (`engine.in_process=false`),
+    and none appears."""
+    tmp = nights["tmp"]
+    cmd = [sys.executable, "-m", "pipeline", "run", str(JOB), "--profile", str(PROFILE), "--date", "2026-11-03",
+           "--input", str(nights["corpus"]), "--output", str(nights["out"]), *nights["sets"],
+           "--set", "engine.in_process=false"]
+    proc, driver = start(cmd, ray_tmp, tmp / "night3.log")
+    names = set()
+
+    def seen() -> bool:
+        for p in run_processes(driver, ray_tmp):
+            try:
+                names.add(p.name())
+            except Exception:  # ended while listed
+                pass
+        return proc.poll() is not None
+
+    wait_for("the run's end", seen, proc, timeout_s=300)
+    assert proc.returncode == 0, (tmp / "night3.log").read_text()[-3000:]
+    assert not any("EngineCore" in n for n in names), names
+    output = tmp / "out" / "dt=2026-11-03"
+    report = json.loads((output / "_report.json").read_text())
+    rows = nights["run"].written.num_rows
+    assert report["reuse"]["rows_reused"] == rows and report["reuse"]["rows_generated"] == 0
+    assert report["reuse"]["sources"][0]["date"] == "2026-11-02"
+    assert report["engine"]["actors"] == [] and report["engine_s"] == 0
+    written = pq.read_table(output)
+    assert written.num_rows == rows and set(written.column("status").to_pylist()) == {"ok"}
+
+
+def test_night_3_with_another_template_generates_every_row(nights, tiny_model):
+    run = read_run(nights["tmp"] / "out" / "dt=2026-11-04", nights["corpus"], run_cli(
+        JOB, PROFILE, "--date", "2026-11-04", "--input", str(nights["corpus"]), "--output", str(nights["out"]),
+        *nights["sets"], "--set", "prompt.template=Summarize this {source} in one sentence.\n\n{text}"))
+    assert run.report["reuse"]["rows_reused"] == 0 and run.report["reuse"]["rows_generated"] == run.written.num_rows
+    assert run.written.column("reused_from").null_count == run.written.num_rows
+    assert sum(a["requests"] for a in run.report["engine"]["actors"]) > 0
+
+
+def test_a_reuse_path_holding_another_tools_parquet_is_refused_before_ray(tmp_path):
+    from pipeline.tools.dev.corpus import write_corpus
+
+    corpus = write_corpus(tmp_path / "corpus.parquet", rows=5)
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    pq.write_table(pa.table({"id": ["a"], "summary": ["?"]}), theirs / "data.parquet")
+    started = time.monotonic()
+    result = run_cli(JOB, PROFILE, "--input", str(corpus), "--output", str(tmp_path / "o"), "--reuse", str(theirs))
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"{theirs} holds Parquet files (data.parquet) but no _report.json" in result.stderr
+    assert time.monotonic() - started < 30 and not (tmp_path / "o").exists()

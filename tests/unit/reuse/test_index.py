@@ -1,0 +1,81 @@
+"""The key index's shards and the lookup's answer, without Ray (the shards are plain
+objects here; tests/integration/run/test_nightly.py runs them as actors)."""
+
+import pyarrow as pa
+
+from pipeline.reuse.index import REUSED_FROM, REUSED_PREFIX, KeyShard, by_shard, result_columns, with_found
+from pipeline import schema
+
+
+def source(keys, summaries, label, tokens=4):
+    return pa.table({"result_key": keys, REUSED_FROM: [label] * len(keys),
+                     REUSED_PREFIX + "summary": summaries,
+                     REUSED_PREFIX + "output_tokens": pa.array([tokens] * len(keys), pa.int32())})
+
+
+def test_a_shard_answers_in_order_and_the_newest_source_wins():
+    shard = KeyShard()
+    shard.add(source(["k1", "k2"], ["old one", "old two"], "night1"), rank=1)
+    shard.add(source(["k2", "k3"], ["new two", "new three"], "night2"), rank=0)
+    assert shard.size() == 3
+    found = shard.look_up(["k3", "nope", "k2", "k1"]).to_pydict()
+    assert found[REUSED_PREFIX + "summary"] == ["new three", None, "new two", "old one"]
+    assert found[REUSED_FROM] == ["night2", None, "night2", "night1"]
+
+
+def test_answers_from_several_shards_line_up_with_the_batch_rows():
+    shards = [KeyShard(), KeyShard()]
+    keys = [f"v1:{i}" for i in range(6)]
+    rows = by_shard(keys, 2)
+    for s, members in rows.items():
+        shards[s].add(source([keys[i] for i in members if i != 4], [f"s{i}" for i in members if i != 4], "n1"), 0)
+    batch = pa.table({"id": list("abcdefg"), "result_key": [*keys, None]})
+    rows = by_shard(batch.column("result_key").to_pylist(), 2)
+    assert sorted(i for m in rows.values() for i in m) == list(range(6))  # no key, no shard
+    found = [shards[s].look_up([batch.column("result_key")[i].as_py() for i in m]) for s, m in rows.items()]
+    out = with_found(batch, list(rows.values()), found, ["summary", "output_tokens"]).to_pydict()
+    assert out[REUSED_PREFIX + "summary"] == ["s0", "s1", "s2", "s3", None, "s5", None]
+    assert out[REUSED_FROM] == ["n1"] * 4 + [None, "n1", None]
+
+
+def test_a_shard_with_nothing_indexed_answers_with_nulls_of_the_right_type():
+    empty, full = KeyShard(), KeyShard()
+    full.add(source(["k1"], ["one"], "n1", tokens=7), 0)
+    batch = pa.table({"result_key": ["k0", "k1"]})
+    out = with_found(batch, [[0], [1]], [empty.look_up(["k0"]), full.look_up(["k1"])], ["summary", "output_tokens"])
+    assert out.column(REUSED_PREFIX + "output_tokens").to_pylist() == [None, 7]
+    assert out.schema.field(REUSED_PREFIX + "output_tokens").type == pa.int32()
+
+
+def test_what_a_reused_row_takes_is_the_summary_its_annotations_and_how_they_ended():
+    plain = schema.output_schema(pa.schema([("id", pa.string()), ("text", pa.string())]), "id", "text")
+    assert result_columns(plain) == ["summary", "output_tokens", "finish_reason", "latency_s"]
+    annotated = schema.output_schema(pa.schema([("id", pa.string()), ("text", pa.string())]), "id", "text",
+                                     annotation_fields=[pa.field("title", pa.string())])
+    assert result_columns(annotated) == ["summary", "output_tokens", "finish_reason", "latency_s", "title",
+                                         "raw_output", "annotation_tries", "summary_finish_reason"]
+
+
+def test_each_shard_loads_only_its_own_keyed_ok_rows_from_the_files(tmp_path):
+    import pyarrow.parquet as pq
+
+    keys = [f"v1:{i}" for i in range(40)]
+    status = ["ok"] * 39 + ["error"]
+    pq.write_table(pa.table({"result_key": keys + [None], "status": status + ["ok"], "summary": [f"s{i}" for i in range(41)],
+                             "output_tokens": pa.array([4] * 41, pa.int32())}), tmp_path / "part.parquet")
+    shards = [KeyShard(), KeyShard()]
+    loaded = [s.load([(str(tmp_path / "part.parquet"), 0, "n1")], k, 2, ["summary", "output_tokens"])
+              for k, s in enumerate(shards)]
+    assert sum(n for n, _ in loaded) == 39  # the error row and the row without a key are not indexed
+    for k, s in enumerate(shards):
+        mine = [key for key in keys[:39] if by_shard([key], 2).get(k)]
+        assert s.size() == len(mine) and s.look_up(mine).column(REUSED_FROM).null_count == 0
+    assert shards[0].look_up(["v1:39"]).column(REUSED_FROM).to_pylist() == [None]
+
+
+def test_a_window_puts_the_rows_to_generate_first_grouped_and_the_reused_after():
+    from pipeline.run.job import group_window
+
+    batch = pa.table({"id": list("abcdef"), schema.BUCKET_INDEX: pa.array([1, 0, 1, 0, 0, 1], pa.int32()),
+                      REUSED_FROM: ["n1", None, None, "n1", None, None]})
+    assert group_window(batch).column("id").to_pylist() == ["b", "e", "c", "f", "a", "d"]
