@@ -28,7 +28,7 @@ PROFILE ?= conf/local-real.yaml
 # there); 8 of the 24 documents pass it and come out truncated, flagged.
 RUN_SETS ?= --set sampling.max_new_tokens=64 --set engine.max_model_len=1024
 
-.PHONY: setup run run-tiny test test-tools bench bench-real bench-repeated bench-timeline bench-batching bench-merge bench-resume bench-s3 bench-metrics bench-transformers gpu-check clean
+.PHONY: setup run run-tiny test test-tools bench bench-real bench-repeated bench-timeline bench-batching bench-merge bench-nightly bench-reuse-lookup bench-resume bench-s3 bench-metrics bench-transformers gpu-check clean
 
 setup: $(STAMP)
 
@@ -104,6 +104,15 @@ bench-batching: $(STAMP)
 # its documents repeated (bench/merge_identical.py): about 10 minutes on 2 cores.
 bench-merge: $(STAMP)
 	$(BIN)/python -m bench.merge_identical
+
+# A simulated week of the nightly job, each night reusing the one before (bench/nightly_week.py:
+# 16,000 documents, 3% edited, 1% new, 1% removed a night): about 10 minutes on 2 cores.
+bench-nightly: $(STAMP)
+	$(BIN)/python -m bench.nightly_week
+
+# The reuse lookup alone at 100,000 and 1,000,000 keys, no engine (bench/reuse_lookup.py): a few minutes.
+bench-reuse-lookup: $(STAMP)
+	$(BIN)/python -m bench.reuse_lookup
 
 bench-resume: $(STAMP)
 	$(BIN)/python -m bench.resume_cost

@@ -73,7 +73,7 @@ def main() -> None:
         f"tiny model, vLLM CPU backend, {args.repeats} interleaved runs each, medians)",
         "",
         f"Machine: {machine['cpu']}, {machine['cores']} logical cores, {machine['memory_gib']} GiB; CPU flags "
-        f"{', '.join(machine['cpu_flags']) or 'none of note'}; commit {commit.strip()}.",
+        f"{', '.join(machine['cpu_flags']) or 'none of note'}; commit {git_commit()}.",
         "",
         "| system | ok rows | requests | merged rows | engine s | wall s |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",

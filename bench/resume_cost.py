@@ -58,6 +58,7 @@ def generated(rows: pa.Table) -> pa.Table:
         "chunks": pa.array([None] * n, pa.int32()), "notes": pa.array([None] * n, pa.string()),
         "status": pa.array(["ok"] * n), "error": pa.array([None] * n, pa.string()),
         "latency_s": pa.array([0.1] * n), "model": pa.array(["tiny"] * n), "run_id": pa.array(["stopped"] * n),
+        "result_key": pa.array([None] * n, pa.string()), "reused_from": pa.array([None] * n, pa.string()),
         schema.ENGINE_CALL: pa.array(["c0"] * n), schema.ENGINE_CALL_STATS: pa.array([None] * n, pa.string()),
     }
     for name, values in cols.items():

@@ -1,0 +1,128 @@
+"""A simulated week of the nightly job: 16,000 documents on night 1, then each night 3% of
+them edited, 1% new and 1% removed, each night reusing the night before's partition (the
+job's own `reuse:` default), through the CLI as cron would run it.
+
+Per night: wall (the whole process), engine time (the report's), fixed start-up (from the
+launch to the first engine call), rows reused and generated, the index's build time.
+Goals (issue 27): night 2's engine time at most 6% of night 1's; night 2's wall at most
+night 1's fixed start-up plus 10% of the rest; the lookup's own cost at most 5% of night
+1's wall.
+
+    .venv/bin/python -m bench.nightly_week [--rows 16000] [--nights 7]
+
+Results go to bench/results/nightly_week.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from bench.compare import git_commit, run_process
+from pipeline.observe.machine import describe
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def next_night(corpus: pa.Table, night: int, fresh: pa.Table, edited: float, new: float, removed: float,
+               rng: random.Random) -> pa.Table:
+    """Tonight's corpus from last night's: `edited` of its documents changed, `removed`
+    gone, and `new` of it added from `fresh` under new ids."""
+    rows = corpus.to_pylist()
+    n = len(rows)
+    gone = set(rng.sample(range(n), round(removed * n)))
+    changed = set(rng.sample(sorted(set(range(n)) - gone), round(edited * n)))
+    kept = [r | {"text": r["text"] + f" Revised on night {night}."} if i in changed else r
+            for i, r in enumerate(rows) if i not in gone]
+    added = [r | {"id": f"n{night}-{k}"} for k, r in enumerate(fresh.slice(0, round(new * n)).to_pylist())]
+    return pa.Table.from_pylist(kept + added, schema=corpus.schema)
+
+
+def run_night(night: int, corpus: Path, out: Path) -> dict:
+    date = f"2026-12-{night:02d}"
+    cmd = [sys.executable, "-m", "pipeline", "run", "jobs/nightly_summarize.yaml", "--profile", "conf/local.yaml",
+           "--date", date, "--input", str(corpus), "--output", str(out / "dt={date}"),
+           "--set", "batching.learned_limits=null"]
+    out.mkdir(parents=True, exist_ok=True)
+    launched = time.time()
+    wall, _ = run_process(cmd, out / f"night{night}.log")
+    report = json.loads((out / f"dt={date}" / "_report.json").read_text())
+    starts = [c["started_at"] for c in report["engine_calls"] if c.get("started_at")]
+    reuse = report.get("reuse") or {}
+    return {"night": night, "rows": report["rows_out"], "wall_s": round(wall, 2), "engine_s": report["engine_s"],
+            "fixed_startup_s": round(min(starts) - launched, 2) if starts else None,
+            "rows_reused": reuse.get("rows_reused", 0), "rows_generated": reuse.get("rows_generated"),
+            "index_s": (reuse.get("lookup") or {}).get("index_s"), "engine_s_saved": reuse.get("engine_s_saved"),
+            "engines": len(report["engine"]["actors"])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=16_000)
+    parser.add_argument("--nights", type=int, default=7)
+    parser.add_argument("--edited", type=float, default=0.03)
+    parser.add_argument("--new", type=float, default=0.01)
+    parser.add_argument("--removed", type=float, default=0.01)
+    parser.add_argument("--out", default=str(REPO / "bench/results/nightly_week"))
+    args = parser.parse_args()
+
+    from pipeline.tools.dev.corpus import make_corpus
+
+    rng = random.Random(0)
+    nights = []
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        corpus = make_corpus(args.rows, seed=0)
+        fresh = make_corpus(args.rows, seed=1)
+        for night in range(1, args.nights + 1):
+            if night > 1:
+                corpus = next_night(corpus, night, fresh.slice((night - 2) * round(args.new * args.rows)),
+                                    args.edited, args.new, args.removed, rng)
+            path = work / f"corpus-{night}.parquet"
+            pq.write_table(corpus, path)
+            nights.append(run_night(night, path, work / "out"))
+            print(json.dumps(nights[-1]), flush=True)
+
+    one, two = nights[0], nights[1]
+    rest1 = one["wall_s"] - one["fixed_startup_s"]
+    goals = {
+        "night 2 engine time <= 6% of night 1's": (two["engine_s"] / one["engine_s"], 0.06),
+        "night 2 wall <= night 1's fixed start-up + 10% of the rest": (
+            two["wall_s"] / (one["fixed_startup_s"] + 0.1 * rest1), 1.0),
+        "the lookup's index build <= 5% of night 1's wall": ((two["index_s"] or 0) / one["wall_s"], 0.05),
+    }
+    machine = describe()
+    Path(args.out + ".json").write_text(json.dumps({"machine": machine, "commit": git_commit(), "args": vars(args),
+                                                   "nights": nights, "goals": goals}, indent=2))
+    lines = [
+        f"# A simulated week of the nightly job ({args.rows:,} documents; each night {args.edited:.0%} edited, "
+        f"{args.new:.0%} new, {args.removed:.0%} removed; tiny model, vLLM CPU backend)",
+        "",
+        f"Machine: {machine['cpu']}, {machine['cores']} logical cores, {machine['memory_gib']} GiB; CPU flags "
+        f"{', '.join(machine['cpu_flags']) or 'none of note'}; commit {git_commit()}. "
+        "`python -m bench.nightly_week` (make bench-nightly), one run per night.",
+        "",
+        "| night | rows | reused | generated | wall s | engine s | fixed start-up s | index build s | engine s saved |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        *(f"| {n['night']} | {n['rows']:,} | {n['rows_reused']:,} | {n['rows_generated'] if n['rows_generated'] is not None else n['rows']:,} | "
+          f"{n['wall_s']:.1f} | {n['engine_s']:.1f} | {n['fixed_startup_s'] if n['fixed_startup_s'] is not None else '-'} | "
+          f"{n['index_s'] if n['index_s'] is not None else '-'} | {n['engine_s_saved'] or 0:.1f} |" for n in nights),
+        "",
+        "| goal | measured | bound | met |",
+        "| --- | ---: | ---: | :---: |",
+        *(f"| {g} | {v:.3f} | {b} | {'yes' if v <= b else 'no'} |" for g, (v, b) in goals.items()),
+    ]
+    Path(args.out + ".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
