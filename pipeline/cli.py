@@ -197,6 +197,18 @@ def share(n: int, of: int) -> str:
     return f"{n:,} ({n / of:.0%})" if of else f"{n:,}"
 
 
+def reuse_line(reuse: dict[str, Any]) -> str:
+    """What reuse gave, in one line: rows taken from which runs, and what that saved."""
+    taken = [f"{s['rows_reused']:,} from {s['run_id']}" + (f" ({s['date']})" if s.get("date") else "")
+             for s in reuse["sources"] if s["rows_reused"]]
+    if not taken:
+        why = "; ".join(reuse["notes"]) or "no earlier output to take from"
+        return f"reused: none ({why})"
+    return (f"reused: {reuse['rows_reused']:,} rows ({', '.join(taken)}) · generated {reuse['rows_generated']:,} · "
+            f"{reuse['output_tokens_not_generated']:,} output tokens not generated, about "
+            f"{reuse['engine_s_saved']:,.1f} s of engine time saved")
+
+
 def print_summary(report: dict[str, Any]) -> None:
     out = Console()
     out.print(summary_table(report))
@@ -232,6 +244,9 @@ def print_summary(report: dict[str, Any]) -> None:
             out.print("found in the text: " + " · ".join(found))
     if report.get("date"):
         out.print(f"date: {report['date']}")
+    reuse = report.get("reuse")
+    if reuse:
+        out.print(reuse_line(reuse), soft_wrap=True)
     tuned = report.get("batching", {}).get("tuned_rows")
     if tuned:
         out.print("batch sizes from pipeline tune: " + ", ".join(f"{b} {n}" for b, n in tuned.items()))

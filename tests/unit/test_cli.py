@@ -137,3 +137,17 @@ def test_gc_lists_then_deletes_a_stopped_run_and_resume_excludes_restart(tmp_pat
     reuse = CliRunner().invoke(main, ["run", "jobs/nightly_summarize.yaml", "--profile", "conf/local.yaml",
                                       "--reuse", str(tmp_path), "--no-reuse"])
     assert reuse.exit_code == EXIT_BAD_CONFIG and "--reuse and --no-reuse exclude each other" in reuse.output
+
+
+def test_the_summary_says_what_reuse_gave_or_why_nothing():
+    from pipeline.cli import reuse_line
+
+    given = {"sources": [{"run_id": "r1", "date": "2026-12-01", "rows_reused": 187}], "notes": [],
+             "rows_reused": 187, "rows_generated": 15, "output_tokens_not_generated": 2992, "engine_s_saved": 11.66}
+    assert reuse_line(given) == ("reused: 187 rows (187 from r1 (2026-12-01)) · generated 15 · 2,992 output tokens "
+                                 "not generated, about 11.7 s of engine time saved")
+    none = {"sources": [], "notes": [], "rows_reused": 0, "rows_generated": 5, "output_tokens_not_generated": 0,
+            "engine_s_saved": 0.0}
+    assert reuse_line(none) == "reused: none (no earlier output to take from)"
+    off = none | {"notes": ["reuse is off: sampling with a temperature and no seed: every result is its own"]}
+    assert reuse_line(off).startswith("reused: none (reuse is off: sampling")

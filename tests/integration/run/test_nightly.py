@@ -86,6 +86,7 @@ def test_night_2_generates_exactly_the_edited_new_and_failed_rows(nights):
     assert reuse["rows_reused"] == len(out) - len(generated) and reuse["rows_generated"] == len(generated)
     assert reuse["sources"][0]["rows_reused"] == reuse["rows_reused"] and reuse["lookup"]["keys"] > 0
     assert reuse["output_tokens_not_generated"] > 0 and reuse["engine_s_saved"] > 0
+    assert f"reused: {reuse['rows_reused']:,} rows" in run.result.stdout  # and the run's summary says so
     actors = run.report["engine"]["actors"]  # rows with one prompt between them are one request
     assert sum(a["requests"] + sum(a["merged"].values()) for a in actors) == len(generated)
 
