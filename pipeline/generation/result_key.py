@@ -89,3 +89,11 @@ def result_key(base: str | None, prompt_ids: list[int] | None, annotation_ids: l
     for chunk in chunks or ():
         part(b"c", chunk.encode("utf-8", "surrogatepass"))
     return PREFIX + h.hexdigest()
+
+
+def keys_of_rows(base: str | None, prompt_ids: list[Any], annotation_ids: list[Any],
+                 chunks: list[Any]) -> list[str | None]:
+    """`result_key` of each row, from its columns as lists (all None where `base` is)."""
+    if base is None:
+        return [None] * len(prompt_ids)
+    return [result_key(base, p, a, c) for p, a, c in zip(prompt_ids, annotation_ids, chunks)]

@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline import schema
-from pipeline.generation.result_key import result_key
+from pipeline.generation.result_key import keys_of_rows
 from pipeline.reuse.sources import EarlierOutput
 
 KEYS_PER_SHARD = 500_000
@@ -82,7 +82,22 @@ class KeyShard:
 
     def load(self, files: list[tuple[str, int, str]], number: int, shards: int,
              columns: list[str]) -> tuple[int, float]:
-        return _load(self, files, number, shards, columns)
+        """Read the earlier outputs' files, one at a time, keeping this shard's keyed `ok`
+        rows (each file: its URI, its source's rank, its source's label). (keys held, seconds)."""
+        import pyarrow.parquet as pq
+
+        from pipeline.storage.fs import resolve
+
+        t = time.monotonic()
+        for uri, rank, label in files:
+            fs, path = resolve(uri)
+            table = _ok_keyed(pq.read_table(path, columns=["result_key", "status", *columns], filesystem=fs))
+            keys = table.column("result_key").to_pylist()
+            table = table.take(pa.array([i for i, k in enumerate(keys) if shard_of(k, shards) == number], pa.int64()))
+            self.add(pa.table({"result_key": table.column("result_key"),
+                               REUSED_FROM: pa.array([label] * table.num_rows, pa.string()),
+                               **{REUSED_PREFIX + c: table.column(c) for c in columns}}), rank)
+        return self.size(), time.monotonic() - t
 
     def look_up(self, keys: list[str]) -> pa.Table:
         """The results of each key's earlier row, in order; a row of nulls where none."""
@@ -98,27 +113,6 @@ class KeyShard:
 def _ok_keyed(batch: pa.Table) -> pa.Table:
     keep = pc.and_(pc.equal(batch.column("status"), schema.Status.OK.value), pc.is_valid(batch.column("result_key")))
     return batch.filter(pc.fill_null(keep, False))
-
-
-def _load(shard: KeyShard, files: list[tuple[str, int, str]], number: int, shards: int,
-          columns: list[str]) -> tuple[int, float]:
-    """Read the earlier outputs' files, one at a time, keeping this shard's keyed `ok` rows
-    (each file: its URI, its source's rank, its source's label). (keys held, seconds)."""
-    import pyarrow.parquet as pq
-
-    from pipeline.storage.fs import resolve
-
-    t = time.monotonic()
-    for uri, rank, label in files:
-        fs, path = resolve(uri)
-        table = _ok_keyed(pq.read_table(path, columns=["result_key", "status", *columns], filesystem=fs))
-        keys = table.column("result_key").to_pylist()
-        mine = pa.array([i for i, k in enumerate(keys) if shard_of(k, shards) == number], pa.int64())
-        table = table.take(mine)
-        shard.add(pa.table({"result_key": table.column("result_key"),
-                            REUSED_FROM: pa.array([label] * table.num_rows, pa.string()),
-                            **{REUSED_PREFIX + c: table.column(c) for c in columns}}), rank)
-    return shard.size(), time.monotonic() - t
 
 
 class ReuseIndex:
@@ -137,8 +131,7 @@ class ReuseIndex:
         self.columns = columns
         rows = sum(s.rows for s in self.sources)
         self.shard_count = shard_count(rows)
-        files = [(f"{s.path.split('://', 1)[0]}://{f}" if "://" in s.path else f, rank, s.label)
-                 for rank, s in enumerate(self.sources) for f in s.files]
+        files = [(uri, rank, s.label) for rank, s in enumerate(self.sources) for uri in s.uris()]
         self.shards = [ray.remote(num_cpus=0)(KeyShard).remote() for _ in range(self.shard_count)]
         self._loads = [s.load.remote(files, k, self.shard_count, columns) for k, s in enumerate(self.shards)]
         self._loaded: list[tuple[int, float]] | None = None
@@ -179,19 +172,23 @@ def batch_keys(batch: pa.Table, base: str | None) -> pa.Array:
     n = batch.num_rows
     if base is None:
         return pa.nulls(n, pa.string())
-    ids = batch.column(schema.PROMPT_TOKEN_IDS).to_pylist()
-    chunks = batch.column(schema.CHUNK_TEXTS).to_pylist()
     annotation = (batch.column(schema.ANNOTATION_TOKEN_IDS).to_pylist()
                   if schema.ANNOTATION_TOKEN_IDS in batch.column_names else [None] * n)
-    return pa.array([result_key(base, p, a, c) for p, a, c in zip(ids, annotation, chunks)], pa.string())
+    return pa.array(keys_of_rows(base, batch.column(schema.PROMPT_TOKEN_IDS).to_pylist(), annotation,
+                                 batch.column(schema.CHUNK_TEXTS).to_pylist()), pa.string())
+
+
+def ok_rows(batch: pa.Table, found: bool) -> pa.Array:
+    """Which rows are ok after prepare and were (`found`) or were not found by the lookup."""
+    ok = pc.fill_null(pc.equal(batch.column("status"), schema.Status.OK.value), False)
+    if REUSED_FROM not in batch.column_names:
+        return ok if not found else pa.array([False] * batch.num_rows)
+    return pc.and_(ok, batch.column(REUSED_FROM).is_valid() if found else batch.column(REUSED_FROM).is_null())
 
 
 def rows_to_generate(batch: pa.Table) -> bool:
     """Whether a row of `batch` is to be generated: ok after prepare, and not found."""
-    ok = pc.equal(batch.column("status"), schema.Status.OK.value)
-    if REUSED_FROM in batch.column_names:
-        ok = pc.and_(ok, batch.column(REUSED_FROM).is_null())
-    return bool(pc.any(pc.fill_null(ok, False)).as_py())
+    return bool(pc.any(ok_rows(batch, found=False)).as_py())
 
 
 def keyed_look_up(batch: pa.Table, base: str, shards: list[Any], columns: list[str], gate: Any = None) -> pa.Table:

@@ -51,6 +51,10 @@ class EarlierOutput:
         """What a reused row's `reused_from` says: the run, and its date where it has one."""
         return f"{self.run_id} ({self.date})" if self.date else self.run_id
 
+    def uris(self) -> list[str]:
+        """Its files as a reader names them (with the object store's scheme)."""
+        return [_uri(self.path, f) for f in self.files]
+
     def seconds_per_token(self) -> float:
         """What a token of its rows cost an engine when it was made: a run that itself
         reused rows passes on its sources' cost for them, so a chain of nights does not

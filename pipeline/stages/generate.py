@@ -55,7 +55,7 @@ from pipeline.config.models import BatchPolicyConfig
 from pipeline.generation.engine import Completion, Engine, EngineCrashed, Sampling
 from pipeline.generation.feeder import EngineFeeder, FaultInjector
 from pipeline.generation.merge import IdenticalPrompts
-from pipeline.generation.result_key import result_key
+from pipeline.generation.result_key import keys_of_rows
 from pipeline.generation.policy import (BatchPolicy, BatchSizeController, ControllerSettings, FixedBatchPolicy,
                                         static_batch_settings)
 from pipeline.generation.tasks import (Annotation, AnnotationTask, BatchCalls, ChunkText, EngineCalls, annotate,
@@ -65,7 +65,7 @@ from pipeline.generation.vllm import VLLMEngine, VLLMSettings
 from pipeline.generation.vllm_logs import python_warnings_once
 from pipeline.text.length import char_span, windows
 from pipeline.observe.metrics import EngineMeter, MeterSources, engine_name
-from pipeline.reuse.index import REUSED_FROM, REUSED_PREFIX, rows_to_generate
+from pipeline.reuse.index import REUSED_FROM, REUSED_PREFIX, ok_rows, rows_to_generate
 from pipeline.schema import Status
 from pipeline.stages.lifeline import Lifeline
 from pipeline.stages.prepare import PrepareSettings, PrepareStage
@@ -104,22 +104,11 @@ def at_once(serve: Callable[[str, list[int]], None], runs: list[tuple[str, list[
 REUSED = "reused"  # a row's working status while its batch is generated: its results are an earlier run's
 
 
-def reused_rows(batch: pa.Table) -> list[int]:
-    """The rows the lookup found earlier results for (`pipeline.reuse.index`)."""
-    if REUSED_FROM not in batch.column_names:
-        return []
-    found = batch.column(REUSED_FROM).is_valid().to_pylist()
-    status = batch.column("status").to_pylist()
-    return [i for i, (f, s) in enumerate(zip(found, status)) if f and s == Status.OK.value]
-
-
-def with_earlier_results(out: pa.Table, batch: pa.Table, reused: list[int]) -> pa.Table:
-    """`out` with each reused row's result columns taken from its earlier row, as the
-    lookup brought them (`_reused.<column>`), in the output's types."""
-    if not reused:
+def with_earlier_results(out: pa.Table, batch: pa.Table, mask: pa.Array) -> pa.Table:
+    """`out` with each reused row's (`mask`) result columns taken from its earlier row, as
+    the lookup brought them (`_reused.<column>`), in the output's types."""
+    if not pc.any(mask).as_py():
         return out
-    mask = pc.fill_null(pc.and_(batch.column(REUSED_FROM).is_valid(), pc.equal(batch.column("status"), Status.OK.value)),
-                        False)
     for name in batch.column_names:
         if not name.startswith(REUSED_PREFIX):
             continue
@@ -487,7 +476,8 @@ class GenerateStage:
 
     def _generate(self, batch: pa.Table) -> pa.Table:
         rows = RowOutcomes.of(batch, annotating=self.annotations is not None)
-        reused = reused_rows(batch)
+        reused_mask = ok_rows(batch, found=True)
+        reused = [i for i, r in enumerate(reused_mask.to_pylist()) if r]
         for i in reused:
             rows.status[i] = REUSED  # not generated: its results are an earlier run's
         calls = BatchCalls(self.calls)  # makes no call unless a row is generated, and then has an engine
@@ -501,9 +491,7 @@ class GenerateStage:
         if "result_key" in batch.column_names:  # keyed for the lookup (`pipeline.reuse.index`)
             keys = batch.column("result_key")
         else:
-            keys = pa.array([result_key(self.result_key_base, p, a, c) for p, a, c in
-                             zip(token_ids, annotation_ids, chunk_texts)] if self.result_key_base is not None
-                            else [None] * batch.num_rows, pa.string())
+            keys = pa.array(keys_of_rows(self.result_key_base, token_ids, annotation_ids, chunk_texts), pa.string())
         for i in reused:
             rows.status[i] = Status.OK.value
         out = batch.drop_columns([c for c in (schema.PROMPT_TOKEN_IDS, schema.CHUNK_TEXTS, "status", "error",
@@ -523,7 +511,7 @@ class GenerateStage:
         }
         for name, values in columns.items():
             out = out.append_column(name, values)
-        return with_earlier_results(out, batch, reused)
+        return with_earlier_results(out, batch, reused_mask)
 
     def _whole_documents(self, batch: pa.Table, rows: RowOutcomes, calls: BatchCalls, token_ids: list[Any],
                          chunk_texts: list[Any], annotation_ids: list[Any]) -> None:
