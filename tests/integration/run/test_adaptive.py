@@ -126,7 +126,7 @@ def test_engine_death_rebuilds_the_engine_and_retries_the_rows(tiny_model, tmp_p
 
     corpus = write_corpus(tmp_path / "c.parquet", rows=200, seed=5)
     run = small_kv(tiny_model, corpus, tmp_path / "out",
-                   "debug.inject_oom_at_batch=2", "debug.inject_oom_kind=engine_oom_death")
+                   "debug.inject_oom_at_batch=1", "debug.inject_oom_kind=engine_oom_death")
     assert_nothing_lost(run)
     rebuilds = run.report["engine"]["actors"][0]["rebuilds"]
     assert len(rebuilds) == 1 and "EngineDeadError" in rebuilds[0]["reason"]
