@@ -46,7 +46,7 @@ class Resumed:
     killed: dict[str, int]  # what the test killed or stopped in the resumed run: kind -> pid
 
 
-def command(tmp: Path, tiny_model: Path, *extra: str, slow_s: float = 3.0) -> list[str]:
+def command(tmp: Path, tiny_model: Path, *extra: str, slow_s: float = 5.0) -> list[str]:
     return [
         sys.executable, "-m", "pipeline", "run", str(REPO / "jobs/nightly_summarize.yaml"),
         "--profile", str(REPO / "conf/local.yaml"),
@@ -60,7 +60,8 @@ def command(tmp: Path, tiny_model: Path, *extra: str, slow_s: float = 3.0) -> li
         "--set", "engine.in_process=false",
         # Input that arrives slowly (`slow_s` per file): the run lasts long enough to be killed
         # mid-way (30 files, 1.5 s each: over a minute with the engine's start), and the resumed
-        # run has rows waiting through its three restarts (20 files, 3 s each).
+        # run has rows waiting through its three restarts (20 files, 5 s each: at 3 s, a loaded
+        # CI machine once saw the run end before the third).
         "--set", f"debug.slow_prepare_s={slow_s}",
         *extra,
     ]
