@@ -94,7 +94,7 @@ def exit_codes() -> Iterator[None]:
     rows kept is 1, as is anything else (with a short traceback first)."""
     from pipeline.models.packaged import ModelFetchError
     from pipeline.models.source import ModelError
-    from pipeline.run.job import RunStopped
+    from pipeline.run.job import RunStopped, store_unanswered
     from pipeline.storage.lease import OutputBusy
     from pipeline.storage.output import OutputError, PublishError
 
@@ -108,6 +108,9 @@ def exit_codes() -> Iterator[None]:
         _fail(EXIT_FAILED, "interrupted")
     except Exception as e:  # infrastructure: the one-line reason goes last
         console.print_exception(max_frames=5)
+        unanswered = store_unanswered(e)
+        if unanswered is not None:
+            _fail(EXIT_FAILED, f"an object store stopped answering: {unanswered}")
         _fail(EXIT_FAILED, f"{type(e).__name__}: {e}")
 
 

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from pipeline.storage.fs import STORE_ATTEMPTS, STORE_DEFAULTS
 from pipeline.text.bucketing import DEFAULT_BOUNDARIES
 
 
@@ -524,6 +525,11 @@ class DebugConfig(_Section):
         "run has committed its first part (at most this long), as input that arrives while generation runs. "
         "Shows streaming without a fixed delay; a run with a barrier would wait out the bound.",
     )
+    kill_publish_at: Literal["journal", "backup", "swap", "clear", "cleared"] | None = Field(
+        None, description="Drills, local outputs: kill the run (SIGKILL, as kill -9 would) right after this step "
+        "of publishing: journal written, foreign output moved aside, swap done, first earlier file deleted, swapped-"
+        "out folder removed. The next run of the output finishes that publish first.",
+    )
     step_timeline: bool = Field(
         False, description="Profiling, vLLM engines: record every engine step (start, duration, requests running "
         "and waiting, tokens scheduled) into the report, under each engine actor's `step_timeline`.",
@@ -535,12 +541,32 @@ class DebugConfig(_Section):
         return tuple(sorted(first + [(f.at_batch, f.kind) for f in self.more_faults]))
 
 
+class StoreConfig(_Section):
+    """Requests to object stores (s3:// inputs, outputs, reuse paths): each one is given up
+    after `request_timeout_s` with no byte moving, and tried STORE_ATTEMPTS (3) times in
+    all. A store that stops answering stops the run (exit 1, resumable) within about
+    `bound_s` of its first stalled request: 5 minutes by default."""
+
+    request_timeout_s: float = Field(
+        STORE_DEFAULTS["request_timeout_s"], gt=0, description="A request that moves no byte for this long is given up (and tried again, "
+        "3 times in all)."
+    )
+    connect_timeout_s: float = Field(STORE_DEFAULTS["connect_timeout_s"], gt=0,
+                                     description="A connection not made in this long is given up.")
+
+    @property
+    def bound_s(self) -> float:
+        """How long a request to a store that stopped answering takes to fail."""
+        return STORE_ATTEMPTS * max(self.request_timeout_s, self.connect_timeout_s)
+
+
 class ProfileConfig(_Section):
     model: ModelConfig
     engine: EngineConfig = EngineConfig()
     hardware: HardwareConfig
     bucketing: BucketingConfig = BucketingConfig()
     batching: BatchingConfig = BatchingConfig()
+    store: StoreConfig = StoreConfig()
     debug: DebugConfig = DebugConfig()
 
     def feed(self) -> str:

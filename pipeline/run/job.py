@@ -18,6 +18,7 @@ report covers every row of the output, with the runs that wrote them (lineage).
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import tempfile
@@ -39,8 +40,10 @@ from pipeline.run import limits as limits_store
 from pipeline.text.bucketing import LengthBucketer, window_order
 from pipeline.storage.commits import COMMITS, key_columns, row_keys, without
 from pipeline.config import AdaptivePolicy, RunConfig
+from pipeline.config.models import StoreConfig
 from pipeline.storage.inputs import InputError, check_inputs, duplicate_ids
 from pipeline.observe.metrics import RunLabels, RunMetrics, Watch
+from pipeline.storage.fs import STORE_ATTEMPTS, store_env
 from pipeline.storage.output import OutputTarget, PublishError
 from pipeline.run.plan import (engine_description, engine_in_process, generate_settings, prepare_settings,
                                resolve_dtype, result_keys)
@@ -89,6 +92,7 @@ def init_ray(config: RunConfig) -> None:
         return
     hw = config.profile.hardware
     env_vars = {k: os.environ.get(k, v) for k, v in WORKER_ENV_DEFAULTS.items()}
+    env_vars |= store_env(config.profile.store.request_timeout_s, config.profile.store.connect_timeout_s)
     if hw.ray_address:
         # ray.init uploads the working_dir; the folder is not needed after it.
         with tempfile.TemporaryDirectory(prefix="pipeline-empty-") as empty:
@@ -186,6 +190,49 @@ class RunStopped(RuntimeError):
     """The run failed with rows committed: its staging is kept, and `--resume` continues it."""
 
 
+def _no_space(e: BaseException) -> bool:
+    """Whether a disk ran full: ENOSPC anywhere in the chain, or in a Ray task's error,
+    which carries the worker's exception as text."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC or "No space left on device" in str(e):
+            return True
+        e = e.__cause__ or e.__context__ or getattr(e, "cause", None)
+    return False
+
+
+# What pyarrow (curl) and botocore say of a store that does not answer.
+_UNANSWERED = ("AWS Error NETWORK_CONNECTION", "curlCode: 28", "Timeout was reached", "ConnectTimeoutError",
+               "ReadTimeoutError", "EndpointConnectionError", "Could not connect to the endpoint",
+               "Read timeout on endpoint", "Connect timeout on endpoint")
+
+
+def store_unanswered(e: BaseException) -> str | None:
+    """The line that says an object store stopped answering, if that is why `e` was raised
+    (Ray tasks' errors carry the worker's exception as text); None otherwise."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        for line in str(e).splitlines():
+            if any(mark in line for mark in _UNANSWERED):
+                return line.strip()[:300]
+        e = e.__cause__ or e.__context__ or getattr(e, "cause", None)
+    return None
+
+
+def why_stopped(e: BaseException, target: OutputTarget, store: StoreConfig) -> str:
+    """The one-line reason a run stopped, naming the path where the fault was ours to see."""
+    if _no_space(e):
+        return (f"no space left on the device of {target.staging.root} while writing the output's parts; free "
+                "space there")
+    unanswered = store_unanswered(e)
+    if unanswered is not None:
+        return (f"an object store stopped answering (no byte for store.request_timeout_s {store.request_timeout_s:g} "
+                f"s, {STORE_ATTEMPTS} tries): {unanswered}")
+    return f"{type(e).__name__}: {e}"
+
+
 def run_job(config: RunConfig, run_id: str | None = None,
             stopped: Literal["refuse", "resume", "restart"] = "refuse", watch: Watch | None = None) -> RunReport:
     """Run the job end to end and return its report (also written as `_report.json`).
@@ -209,6 +256,11 @@ def run_job(config: RunConfig, run_id: str | None = None,
     # Ray's own progress bars (or, off a terminal, a block of lines every few seconds): only
     # with --verbose; the run's progress (`pipeline.observe.progress`) says what matters.
     DataContext.get_current().enable_progress_bars = watch.verbose
+    # Object-store requests: the profile's timeouts and STORE_ATTEMPTS bound each one, in this
+    # process and (init_ray) the workers. Ray Data's own retries of reads that failed so (10,
+    # with back-off) would multiply that bound by ten.
+    DataContext.get_current().retried_io_errors = []
+    os.environ.update(store_env(config.profile.store.request_timeout_s, config.profile.store.connect_timeout_s))
     success = False
     try:
         report = _run(config, run_id, stopped, metrics, watch.verbose)
@@ -226,8 +278,10 @@ def _run(config: RunConfig, run_id: str, stopped: Literal["refuse", "resume", "r
     # 2. The output: this run's lease on it, a check of what is there, and the staging.
     job = config.job
     target = OutputTarget(job.output.path, job.name, run_id, backup_existing=job.output.backup_existing,
-                          stopped=stopped)
+                          stopped=stopped, kill_publish_at=config.profile.debug.kill_publish_at)
     target.open(rows_in=ctx.inputs.rows)
+    store = config.profile.store
+    unanswered = False  # an object store stopped answering: nothing more is asked of it
     try:
         try:
             generate(ctx, target, metrics, verbose)
@@ -235,16 +289,28 @@ def _run(config: RunConfig, run_id: str, stopped: Literal["refuse", "resume", "r
         except PublishError:
             raise  # every row is written: the staging holds the complete output, and stays
         except BaseException as e:
+            if not target.local and store_unanswered(e) is not None:
+                unanswered = True  # the staging stays as it is; its committed parts are for --resume
+                raise RunStopped(f"{why_stopped(e, target, store)}. The staging {target.staging.root} is kept as "
+                                 "it is: run again with --resume once the store answers") from e
             kept = target.stop()
-            if kept is None or isinstance(e, (ValueError, KeyboardInterrupt)):
+            if isinstance(e, (ValueError, KeyboardInterrupt)):
                 raise
-            raise RunStopped(f"{type(e).__name__}: {e}. {kept}, kept in {target.staging.root}: "
+            if kept is None:
+                if _no_space(e):
+                    raise RunStopped(f"{why_stopped(e, target, store)}. No row was committed") from e
+                raise
+            raise RunStopped(f"{why_stopped(e, target, store)}. {kept}, kept in {target.staging.root}: "
                              "run again with --resume to continue it") from e
         # 5. Publish; a failure here keeps the staging, which holds the complete output.
-        report.warnings += target.publish()
+        try:
+            report.warnings += target.publish()
+        except PublishError as e:
+            unanswered = not target.local and store_unanswered(e) is not None
+            raise
         report.publish.update(target.published)
     finally:
-        target.close()
+        target.close(release=not unanswered)  # an unanswered lease runs out by itself (LEASE_S)
     return report
 
 

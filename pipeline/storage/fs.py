@@ -11,11 +11,41 @@ import uuid
 import pyarrow.fs as pafs
 
 
+# Requests to object stores: given up after a time with no byte moving, and tried
+# STORE_ATTEMPTS times in all: pyarrow's standard retry strategy, the one a filesystem
+# keeps when it is pickled to a Ray worker. The timeouts are the profile's `store`
+# (`pipeline.config.models.StoreConfig`), passed as environment variables so that every
+# process of a run (Ray workers too) resolves paths alike.
+STORE_ATTEMPTS = 3
+STORE_ENV = {"request_timeout_s": "PIPELINE_STORE_REQUEST_TIMEOUT_S",
+             "connect_timeout_s": "PIPELINE_STORE_CONNECT_TIMEOUT_S"}
+STORE_DEFAULTS = {"request_timeout_s": 100.0, "connect_timeout_s": 10.0}
+
+
+def store_limits() -> dict[str, float]:
+    """This process's timeouts for object-store requests (`STORE_ENV`, else the defaults)."""
+    return {k: float(os.environ.get(STORE_ENV[k], v)) for k, v in STORE_DEFAULTS.items()}
+
+
+def store_env(request_timeout_s: float, connect_timeout_s: float) -> dict[str, str]:
+    """The variables that set those timeouts, for this process and the run's workers."""
+    return {STORE_ENV["request_timeout_s"]: str(request_timeout_s),
+            STORE_ENV["connect_timeout_s"]: str(connect_timeout_s)}
+
+
 def resolve(path: str) -> tuple[pafs.FileSystem, str]:
-    """A pyarrow filesystem and the path within it; local paths made absolute."""
-    if "://" in path:
-        return pafs.FileSystem.from_uri(path)
-    return pafs.LocalFileSystem(), os.path.abspath(path)
+    """A pyarrow filesystem and the path within it; local paths made absolute. An S3
+    filesystem gets this process's `store_limits`."""
+    if "://" not in path:
+        return pafs.LocalFileSystem(), os.path.abspath(path)
+    fs, inner = pafs.FileSystem.from_uri(path)
+    if isinstance(fs, pafs.S3FileSystem):
+        _, (options,) = fs.__reduce__()  # what pyarrow resolved from the URI and the environment
+        limits = store_limits()
+        fs = pafs.S3FileSystem(**{**options, "request_timeout": limits["request_timeout_s"],
+                                  "connect_timeout": limits["connect_timeout_s"],
+                                  "retry_strategy": pafs.AwsStandardS3RetryStrategy(STORE_ATTEMPTS)})
+    return fs, inner
 
 
 def is_local(fs: pafs.FileSystem) -> bool:

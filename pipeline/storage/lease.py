@@ -279,7 +279,7 @@ class OutputLease:
                 self.lost = str(e)
                 log.error("%s", e)
                 return
-            except OSError as e:  # storage hiccup: try again next time, well before expiry
+            except Exception as e:  # a storage hiccup (OSError, botocore's): again next time, well before expiry
                 log.warning("could not renew the lock %s: %s", self.path, e)
 
     def check(self) -> None:
@@ -290,6 +290,11 @@ class OutputLease:
             raise LeaseLost(f"{self.output}: this run no longer holds the lock {self.path}")
 
     # --- giving it back ---------------------------------------------------------
+
+    def abandon(self) -> None:
+        """Stop renewing, and leave the lock to run out (its store does not answer)."""
+        self._stop.set()
+        self._thread = None
 
     def release(self) -> None:
         self._stop.set()

@@ -20,6 +20,8 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
+from pipeline.storage.fs import STORE_ATTEMPTS, store_limits
+
 COPY_THREADS = 32
 DELETE_BATCH = 1000  # S3's limit per DeleteObjects request
 
@@ -41,6 +43,30 @@ def _failed(e: Exception, *codes: str) -> bool:
     return code in codes or status in codes
 
 
+class _Reached:
+    """boto3's client, whose failures to reach the store (refused, timed out, cut off)
+    are OSErrors, as pyarrow's are: callers handle both kinds of store alike."""
+
+    def __init__(self, client: Any):
+        self._client = client
+
+    def __getattr__(self, name: str) -> Any:
+        from botocore.exceptions import ConnectionError, HTTPClientError
+
+        method = getattr(self._client, name)
+        if not callable(method):
+            return method
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(*args, **kwargs)
+            except (ConnectionError, HTTPClientError) as e:
+                if isinstance(e, OSError):
+                    raise
+                raise OSError(f"{self._client.meta.endpoint_url}: {e}") from e
+        return call
+
+
 class S3Store:
     """Conditional writes and bulk operations on the S3 store behind a pyarrow S3FileSystem.
     Paths are pyarrow's: `bucket/key`."""
@@ -53,13 +79,16 @@ class S3Store:
         endpoint = options.get("endpoint_override") or None
         if endpoint and "://" not in endpoint:
             endpoint = f"{options.get('scheme') or 'https'}://{endpoint}"
+        limits = store_limits()
         keys = {}
         if options.get("access_key"):
             keys = {"aws_access_key_id": options["access_key"], "aws_secret_access_key": options["secret_key"],
                     "aws_session_token": options.get("session_token") or None}
-        self.client = boto3.client("s3", endpoint_url=endpoint, region_name=options.get("region") or None,
-                                   config=Config(max_pool_connections=COPY_THREADS, retries={"mode": "standard"}),
-                                   **keys)
+        self.client = _Reached(boto3.client("s3", endpoint_url=endpoint, region_name=options.get("region") or None,
+                                   config=Config(max_pool_connections=COPY_THREADS, connect_timeout=limits["connect_timeout_s"],
+                                                 read_timeout=limits["request_timeout_s"],
+                                                 retries={"mode": "standard", "total_max_attempts": STORE_ATTEMPTS}),
+                                   **keys))
 
     # --- conditional writes: the lease ---------------------------------------------
 

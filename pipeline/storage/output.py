@@ -20,13 +20,13 @@ The staging life cycle (README, "What the pipeline may delete"):
    create the staging folder and its marker. All before Ray starts.
 2. The write tasks put the parts into `<staging>/output/`; the report and the
    plot follow once every part is there.
-3. `publish`: check again; then, locally, swap `<staging>/output` into place in
-   one step (Linux `renameat2(RENAME_EXCHANGE)`, else two renames), delete the
+3. `publish`: check again and write a journal into the staging (`Publishing`), so
+   that a publish cut short at any step is finished by the next run of the output
+   before it does anything else. Then, locally, swap `<staging>/output` into place
+   in one step (Linux `renameat2(RENAME_EXCHANGE)`, else two renames), delete the
    earlier run's listed files from what was swapped out, and remove the staging.
    On object stores (no folder rename): delete the earlier report, copy the
-   parts in, delete the earlier run's listed parts, write the report last, with
-   a journal in the staging so that a publish cut short is finished by the next
-   run (`Publishing`).
+   parts in, delete the earlier run's listed parts, write the report last.
 4. `stop` (a failed run): its staging stays if any part is committed
    (`pipeline.storage.commits`), for `--resume`; a run that committed nothing removes
    it. A run killed outright leaves it too.
@@ -44,6 +44,7 @@ import ctypes.util
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -258,6 +259,14 @@ def _move_tree(fs: pafs.FileSystem, src: str, dst: str) -> None:
         fs.delete_file(e.path)
 
 
+def _report_run(fs: pafs.FileSystem, folder: str) -> str | None:
+    """The run id in `folder`'s `_report.json`; None if there is no readable one."""
+    try:
+        return str(json.loads(read_bytes(fs, f"{folder}/{REPORT_NAME}") or b"")["run_id"])
+    except (ValueError, KeyError, TypeError, OSError):
+        return None
+
+
 def backup_path(fs: pafs.FileSystem, path: str) -> str:
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     candidate, n = f"{path}.backup-{stamp}", 1
@@ -272,7 +281,17 @@ def backup_path(fs: pafs.FileSystem, path: str) -> str:
 
 @dataclass(frozen=True)
 class Publishing:
-    """An object store has no folder rename, so a run's output goes live by copies:
+    """The journal of a publish, written into the staging before the first step, so
+    that a run killed at any step leaves the old output or the new one, and the next
+    run of the output finishes the publish before anything else (`OutputTarget.open`).
+
+    Locally (`mode` "swap", see `OutputTarget._publish_local`) the steps are: move a
+    foreign output aside (`--backup-existing`), swap the staged output into place,
+    delete the earlier run's listed files (`replaces`) from what was swapped out,
+    remove the staging. Which side of the swap a kill fell on is read from the
+    output's `_report.json`: it names this run once the swap is done.
+
+    An object store has no folder rename, so a run's output goes live by copies:
     1. the earlier run's `_report.json` is deleted: from here until step 4 the output
        has no report, which tells readers a publish is under way;
     2. this run's parts (and plot) are copied in, server-side, many at a time;
@@ -281,17 +300,17 @@ class Publishing:
     A reader that lists the output while a report is there sees one run's complete
     set of parts; the window (steps 1 to 4) is measured in the report.
 
-    This journal is written into the staging before step 1. If the run dies during
-    the window, the next run of the output finishes the publish before anything else
-    (`finish_interrupted`): every step can be done again."""
+    If the run dies during the window, the next run finishes the publish: every step
+    can be done again."""
 
     run_id: str
     files: tuple[str, ...]  # this run's, in the staging
     replaces: tuple[str, ...]  # the earlier run's, to delete
+    mode: Literal["copy", "swap"] = "copy"
 
     def to_bytes(self) -> bytes:
-        return json.dumps({"run_id": self.run_id, "files": list(self.files), "replaces": list(self.replaces)},
-                          indent=2).encode()
+        return json.dumps({"run_id": self.run_id, "mode": self.mode, "files": list(self.files),
+                           "replaces": list(self.replaces)}, indent=2).encode()
 
     @classmethod
     def read(cls, fs: pafs.FileSystem, staging_root: str) -> Publishing | None:
@@ -299,7 +318,10 @@ class Publishing:
         if data is None:
             return None
         raw = json.loads(data)
-        return cls(str(raw["run_id"]), tuple(raw["files"]), tuple(raw["replaces"]))
+        return cls(str(raw["run_id"]), tuple(raw["files"]), tuple(raw["replaces"]), raw.get("mode", "copy"))
+
+    def write(self, fs: pafs.FileSystem, staging_root: str) -> None:
+        write_bytes(fs, f"{staging_root}/{PUBLISHING_MARKER}", self.to_bytes())
 
     def carry_out(self, fs: pafs.FileSystem, data: str, final: str, report: dict[str, Any],
                   had_report: bool = True) -> dict[str, Any]:
@@ -336,6 +358,31 @@ class Publishing:
         return measured
 
 
+# --- publishing locally --------------------------------------------------------------
+
+# The steps of a local publish, in order; `debug.kill_publish_at` kills the run after one.
+LOCAL_PUBLISH_STEPS = ("journal", "backup", "swap", "clear", "cleared")
+
+
+def _swap_in(data: str, final: str, root: str, state: str) -> None:
+    """Put the staged output `data` at `final` in one step. What was there ends up at
+    `data` (renameat2), or at `<root>/previous` where that is missing."""
+    if state in ("absent", "foreign"):  # nothing there: a foreign output was moved aside already
+        os.makedirs(split(final)[0] or "/", exist_ok=True)
+        os.rename(data, final)
+    elif not _exchange(data, final):
+        os.rename(final, f"{root}/previous")
+        os.rename(data, final)
+
+
+def _swapped_out(root: str) -> str | None:
+    """Where the swap left the earlier output, if anywhere."""
+    for old in (f"{root}/output", f"{root}/previous"):
+        if os.path.isdir(old):
+            return old
+    return None
+
+
 # --- one run's output ------------------------------------------------------------------
 
 
@@ -346,7 +393,7 @@ class OutputTarget:
 
     def __init__(self, output: str, job: str, run_id: str, *, backup_existing: bool = False,
                  stopped: Literal["refuse", "resume", "restart"] = "refuse",
-                 filesystem: pafs.FileSystem | None = None):
+                 filesystem: pafs.FileSystem | None = None, kill_publish_at: str | None = None):
         if filesystem is None:
             self.fs, self.path = resolve(output)
         else:
@@ -368,6 +415,7 @@ class OutputTarget:
         self.lineage: tuple[str, ...] = ()  # the runs whose rows this output holds, before this one
         self.rows_in: int | None = None  # the input's rows, as `open` was told
         self.published: dict[str, Any] = {}  # what publishing took, on object stores (`Publishing`)
+        self.kill_publish_at = kill_publish_at  # fault drills: one of LOCAL_PUBLISH_STEPS
 
     def survey(self) -> Survey:
         return survey(self.fs, self.path, self.job)
@@ -392,18 +440,66 @@ class OutputTarget:
         return found
 
     def _finish_interrupted(self) -> None:
-        """A run of this job that died while publishing to an object store: finish its
-        publish (`Publishing`), so the output is one run's whole output again."""
-        if self.local:
-            return
+        """A run of this job that died while publishing: finish its publish (`Publishing`),
+        so the output is one run's whole output again."""
         for s in stopped_runs(self.fs, self.path, exclude=self.staging.root):
             journal = Publishing.read(self.fs, s.root) if s.owner.job == self.job else None
             if journal is None:
                 continue
-            report = json.loads(read_bytes(self.fs, f"{s.root}/output/{REPORT_NAME}") or b"{}")
-            journal.carry_out(self.fs, f"{s.root}/output", self.path, report)  # each step again: harmless
+            if journal.mode == "swap":
+                if not self._finish_local(s.root, journal):
+                    continue
+            else:
+                report = json.loads(read_bytes(self.fs, f"{s.root}/output/{REPORT_NAME}") or b"{}")
+                journal.carry_out(self.fs, f"{s.root}/output", self.path, report)  # each step again: harmless
             self.fs.delete_dir(s.root)
             self._warn(f"{self.path}: run {journal.run_id} died while publishing; its publish was finished now")
+
+    def _finish_local(self, root: str, journal: Publishing) -> bool:
+        """A local publish cut short: swap the staged output in if the kill came before
+        the swap, then clear what was swapped out. False where it can't be finished (the
+        output changed since): the journal is dropped and the staging stays, a stopped
+        run whose output is complete (`--resume` publishes it)."""
+        names = journal.replaces
+        if _report_run(self.fs, self.path) != journal.run_id:  # the kill came before the swap
+            found = self.survey()
+            if found.state == "foreign" or _report_run(self.fs, f"{root}/output") != journal.run_id:
+                self.fs.delete_file(f"{root}/{PUBLISHING_MARKER}")
+                self._warn(f"{self.path}: run {journal.run_id} died while publishing, before its output went "
+                           f"live, and the output is not what it replaced; left as it is. {root} holds that run's "
+                           "complete output: --resume publishes it")
+                return False
+            _swap_in(f"{root}/output", self.path, root, found.state)
+            names = found.owned
+        self._clear(root, names)
+        return True
+
+    def _clear(self, root: str, names: tuple[str, ...]) -> None:
+        """Delete the earlier run's listed files from what the swap moved out, then the
+        folder; one that holds anything else is moved aside whole."""
+        old = _swapped_out(root)
+        if old is None:
+            return
+        for i, name in enumerate(names):
+            try:
+                os.remove(f"{old}/{name}")
+            except FileNotFoundError:
+                pass
+            if i == 0:
+                self._reached("clear")
+        try:
+            os.rmdir(old)
+        except OSError:  # something appeared in the old output in the last moment: keep it
+            keep = backup_path(self.fs, self.path)
+            os.rename(old, keep)
+            self._warn(f"{self.path}: entries that appeared while publishing were moved aside to {keep}")
+        self._reached("cleared")
+
+    def _reached(self, step: str) -> None:
+        """Fault drills (`debug.kill_publish_at`): die after this step as a kill -9 would."""
+        if step == self.kill_publish_at:
+            log.warning("debug.kill_publish_at=%s: killing this process (pid %d)", step, os.getpid())
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def _handle_stopped(self, rows_in: int | None) -> None:
         stopped = stopped_runs(self.fs, self.path, exclude=self.staging.root)
@@ -457,45 +553,40 @@ class OutputTarget:
         if self._planned is None:
             raise RuntimeError("publish() before plan()")
         planned, backup = self._planned
-        self.lease.check()
-        found = self.survey()
+        try:
+            self.lease.check()
+            found = self.survey()
+        except OSError as e:
+            raise PublishError(f"{self.path}: publishing failed ({e}). {self._kept()}") from e
         if (found.state, found.owned, found.foreign) != (planned.state, planned.owned, planned.foreign):
             raise PublishError(f"{self.path} changed while publishing ({planned.state} -> {found.state}). "
                                f"{self._kept()}")
         warned = len(self.warnings)
         try:
-            if backup is not None:  # a foreign output, and --backup-existing
-                _move_tree(self.fs, self.path, backup)
             if self.local:
-                self._publish_local(found)
+                self._publish_local(found, backup)
             else:
+                if backup is not None:  # a foreign output, and --backup-existing
+                    _move_tree(self.fs, self.path, backup)
                 self.published = self._publish_object_store(Survey(self.path, "absent") if backup else found)
         except OSError as e:
             raise PublishError(f"{self.path}: publishing failed ({e}). {self._kept()}") from e
         self.staging.remove()
         return self.warnings[warned:]
 
-    def _publish_local(self, found: Survey) -> None:
-        data, final = self.staging.data, self.path
-        if found.state in ("absent", "foreign"):  # a foreign output was moved aside already
-            os.makedirs(split(final)[0] or "/", exist_ok=True)
-            os.rename(data, final)
-            return
-        # Ours (or empty): swap, then clear what was swapped out, file by listed file.
-        if _exchange(data, final):
-            old = data
-        else:
-            old = f"{self.staging.root}/previous"
-            os.rename(final, old)
-            os.rename(data, final)
-        for name in found.owned:
-            os.remove(f"{old}/{name}")
-        try:
-            os.rmdir(old)
-        except OSError:  # something appeared in the old output in the last moment: keep it
-            keep = backup_path(self.fs, final)
-            os.rename(old, keep)
-            self.warnings.append(f"{final}: entries that appeared while publishing were moved aside to {keep}")
+    def _publish_local(self, found: Survey, backup: str | None) -> None:
+        """The journal first; then a foreign output moved aside (`--backup-existing`), the
+        swap, and the earlier run's listed files cleared from what was swapped out.
+        A kill at any step leaves the old output or the new (`_finish_local`)."""
+        root = self.staging.root
+        Publishing(self.owner.run_id, (), found.owned, "swap").write(self.fs, root)
+        self._reached("journal")
+        if backup is not None:
+            os.rename(self.path, backup)
+            self._reached("backup")
+        _swap_in(self.staging.data, self.path, root, found.state)
+        self._reached("swap")
+        self._clear(root, found.owned)
 
     def _publish_object_store(self, found: Survey) -> dict[str, Any]:
         """Copy the parts in, delete the earlier run's, the report last (see `Publishing`)."""
@@ -505,7 +596,7 @@ class OutputTarget:
         report = json.loads(read_bytes(fs, f"{data}/{REPORT_NAME}") or b"{}")
         journal = Publishing(self.owner.run_id, tuple(files),
                              tuple(n for n in found.owned if n not in files and n != REPORT_NAME))
-        write_bytes(fs, f"{self.staging.root}/{PUBLISHING_MARKER}", journal.to_bytes())
+        journal.write(fs, self.staging.root)
         return journal.carry_out(fs, data, final, report, had_report=REPORT_NAME in found.owned)
 
     def stop(self) -> str | None:
@@ -520,8 +611,12 @@ class OutputTarget:
             log.warning("could not look at or remove %s: %s", self.staging.root, e)
         return None
 
-    def close(self) -> None:
-        self.lease.release()
+    def close(self, release: bool = True) -> None:
+        """Stop renewing the lease, and remove it (`release`); an unreleased lease runs out."""
+        if release:
+            self.lease.release()
+        else:
+            self.lease.abandon()
 
 
 def collect_garbage(output: str, delete: bool = False) -> list[Stopped]:

@@ -1,5 +1,5 @@
 """Real servers on loopback for the tests, each stopped by its handle: a bucket on moto's
-S3 server (`S3`), Debian's Prometheus (`start_prometheus`) and Pushgateway
+S3 server (`S3`; `start_moto` for one in a process of its own), Debian's Prometheus (`start_prometheus`) and Pushgateway
 (`start_pushgateway`), a free port."""
 
 from __future__ import annotations
@@ -77,6 +77,17 @@ def _serve(cmd: list[str], ready_url: str, log: Path):
     proc.kill()
     proc.wait()
     raise RuntimeError(f"{cmd[0]} did not start: {log.read_text()[-2000:]}")
+
+
+def start_moto(folder: Path):
+    """(endpoint, process) of moto's S3 server in a process of its own: one a test can stop
+    with SIGSTOP, as a store that stops answering, and stop for good by its handle."""
+    import sys
+
+    port = free_port()
+    proc = _serve([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                  f"http://127.0.0.1:{port}/moto-api/", folder / "moto.log")
+    return f"http://127.0.0.1:{port}", proc
 
 
 def start_pushgateway(folder: Path):
