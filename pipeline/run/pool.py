@@ -182,6 +182,7 @@ class PoolLog:
         self.warnings = WarningMemory()
         self.cpus: dict[str, dict[int, list[int]]] = {}  # engine incarnation -> its workers' CPUs, by pid
         self.work = False  # a row to generate was found (reuse on: engines start on demand)
+        self.placed: dict[str, dict[str, Any]] = {}  # engine incarnation -> its actor, node and host
 
     async def arrive(self, who: str, timeout_s: float) -> tuple[bool, str]:
         return await self.barrier.arrive(who, timeout_s)
@@ -202,6 +203,37 @@ class PoolLog:
         """A fresh incarnation of an actor: what the last one held is being retried."""
         held = self.blocks.take(event["actor"])
         self.incidents.note({**event, "blocks": len(held), "rows": sum(held.values())})
+
+    def place(self, actor: str, where: dict[str, Any]) -> None:
+        self.placed[where["incarnation"]] = {**where, "actor": actor}
+
+    def nodes_lost(self, dead: dict[str, str]) -> int:
+        """Engine actors whose node died (`dead`: node id -> its address), each an incident
+        naming the node, with the blocks and rows it held: Ray Data serves those again, on
+        the actor restarted elsewhere (whose `restart` incident counted them: named here as
+        `restarted_as`) or on the engines left. How many were new."""
+        new = 0
+        for incarnation, where in self.placed.items():
+            node, actor = where.get("node"), where["actor"]
+            if node not in dead or where.get("lost"):
+                continue
+            where["lost"] = True
+            later = [e for e in self.incidents.log if e["kind"] == "restart" and e.get("actor") == actor
+                     and e.get("incarnation") != incarnation]
+            if later:
+                counts = {"blocks": later[0].get("blocks", 0), "rows": later[0].get("rows", 0),
+                          "restarted_as": later[0].get("incarnation")}
+                then = "it was started again elsewhere, and served the rows it held"
+            else:
+                held = self.blocks.take(actor)
+                counts = {"blocks": len(held), "rows": sum(held.values())}
+                then = "the engines left served the rows it held"
+            self.incidents.note({
+                "at": round(time.time(), 3), "kind": "node_lost", "actor": actor, "incarnation": incarnation,
+                "node": node, "address": dead[node], "host": where.get("host"), **counts,
+                "cause": f"node {dead[node]} ({node[:12]}) died, and the engine actor on it; {then}"})
+            new += 1
+        return new
 
     def events(self) -> list[dict[str, Any]]:
         return self.incidents.events()
@@ -249,8 +281,12 @@ class PoolGate:
     def __init__(self, engines: int, timeout_s: float):
         import ray
 
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
         self.engines, self.timeout_s = engines, timeout_s
-        self.log = ray.remote(num_cpus=0)(PoolLog).remote(engines)
+        # On the driver's node: the log must outlive any node the engines run on.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self.log = ray.remote(num_cpus=0)(PoolLog).options(scheduling_strategy=here).remote(engines)
 
     def decide(self, go: bool, why: str = "") -> None:
         import ray
@@ -280,6 +316,17 @@ class PoolGate:
 
     def release(self, actor: str, block: str) -> None:
         self.log.release.remote(actor, block)
+
+    def place(self, actor: str, where: dict[str, Any]) -> None:
+        """Where an engine actor runs (`where`: node, host, incarnation): fire and forget."""
+        self.log.place.remote(actor, where)
+
+    def nodes_lost(self) -> int:
+        """Note every engine actor on a node Ray has declared dead (see `PoolLog.nodes_lost`)."""
+        import ray
+
+        dead = {n["NodeID"]: str(n.get("NodeManagerAddress", "?")) for n in ray.nodes() if not n.get("Alive")}
+        return ray.get(self.log.nodes_lost.remote(dead)) if dead else 0
 
     def note(self, event: dict[str, Any], restarted: bool = False) -> None:
         """Log an incident, and wait (briefly) until it is logged: the caller may be about to exit."""
@@ -404,8 +451,12 @@ class EnginePool:
         self.gate = PoolGate(self.hw.num_engines, self.hw.pool_start_timeout_s)
 
     def incidents(self) -> list[dict[str, Any]]:
-        """The pool's log so far (see `PoolGate.events`); empty before `open`."""
-        return self.gate.events() if self.gate is not None else []
+        """The pool's log so far (see `PoolGate.events`), with any engine node lost; empty
+        before `open`."""
+        if self.gate is None:
+            return []
+        self.gate.nodes_lost()
+        return self.gate.events()
 
     def actor_options(self) -> dict[str, Any]:
         """Ray remote options for each engine actor."""

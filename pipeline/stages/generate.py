@@ -297,6 +297,8 @@ class GenerateStage:
             self.sampling.with_room(self.annotations.max_new_tokens, self.annotations.json_schema),
             self.parser.parse, self.annotations.retry_max_new_tokens)
         self.placement = where_am_i()
+        if hasattr(settings.pool_gate, "place"):  # so that a node lost can be named with what it held
+            settings.pool_gate.place(self.life.key, {**self.placement, "incarnation": self.actor})
         self._pids = {os.getpid()}
         self.engine: Engine | None = None
         self.feeder: EngineFeeder | None = None

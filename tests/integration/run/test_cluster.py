@@ -7,19 +7,25 @@ One run through the CLI, shared by the tests: two engines, one per node
 blocks. It shows what a cluster adds to a local run: the engines are placed on
 different nodes, both serve the largest bucket, no call mixes buckets, and the
 workers run the package the runtime_env shipped (`py_modules`), not a copy they
-found on the node.
+found on the node. The last test kills the worker node in the middle of a run.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import subprocess
+import sys
 import tempfile
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psutil
+import pyarrow.parquet as pq
 import pytest
 
 from pipeline.tools.dev.corpus import write_corpus
@@ -33,6 +39,8 @@ OBJECT_STORE_BYTES = 400 * 1024**2  # per node; the corpus is a few MB
 ROWS = 240
 BLOCK_ROWS = 32  # batching.generate_batch_rows: the largest bucket is several blocks
 MAX_NEW_TOKENS = 16
+HEALTH_CHECKS = {"health_check_initial_delay_ms": 1000, "health_check_period_ms": 1000,
+                 "health_check_failure_threshold": 3}
 
 
 @pytest.fixture(scope="module")
@@ -53,9 +61,12 @@ def cluster() -> Iterator[Any]:
         env.setenv("RAY_TMPDIR", ray_tmp)
         cluster = Cluster()
         try:
-            for _ in range(NODES):
+            for i in range(NODES):
+                # The head (the first) declares a node dead after about 3 s without an answer
+                # (1 s checks, 3 misses), where Ray's defaults take about 30 s.
+                fast = {"_system_config": HEALTH_CHECKS} if i == 0 else {}
                 cluster.add_node(num_cpus=NODE_CPUS, object_store_memory=OBJECT_STORE_BYTES,
-                                 include_dashboard=False)
+                                 include_dashboard=False, **fast)
             cluster.wait_for_nodes()
             yield cluster
         finally:
@@ -211,3 +222,69 @@ def test_more_engines_than_nodes_fails_clearly(cluster, tiny_model, tmp_path):
     assert "3 engines" in last and "could not be placed in 5 s" in last and "2 nodes" in last
     assert "CPUs per node [3.0, 3.0]" in last
     assert not (tmp_path / "out").exists()
+
+
+def committed_rows(out: Path) -> int:
+    """Rows in the commit markers of any staging beside the output."""
+    total = 0
+    for marker in out.parent.glob(f".{out.name}.*.staging/commits/*.parquet"):
+        try:
+            total += pq.read_metadata(marker).num_rows
+        except (OSError, ValueError):
+            pass  # being written
+    return total
+
+
+def test_a_node_that_dies_mid_run_leaves_its_rows_to_the_engine_left(cluster, tiny_model, tmp_path):
+    """Last in the module: it kills the worker node (its raylet and every process of that
+    node, by pid) once a third of the rows are committed. The run goes on with the engine
+    on the node left, which serves again the blocks the dead one held; every id comes out
+    once, and the report's incidents name the node and the rows it held."""
+    rows = 1200
+    corpus = write_corpus(tmp_path / "in" / "corpus.parquet", rows=rows, seed=8)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "pipeline", "run", str(REPO / "jobs/nightly_summarize.yaml"),
+           "--profile", str(REPO / "conf/local.yaml"), "--input", str(corpus), "--output", str(out),
+           "--set", f"hardware.ray_address={cluster.address}", "--set", "hardware.num_engines=2",
+           "--set", "hardware.engines_per_node=1", "--set", f"model.name={tiny_model}",
+           "--set", "sampling.max_new_tokens=32", "--set", "batching.generate_batch_rows=16",
+           "--set", "batching.prepare_batch_rows=40", "--set", "bucketing.window_rows=80",
+           "--set", "batching.concurrent_batches=4", "--set", "batching.learned_limits=null"]
+    head_id = cluster.head_node.node_id
+    [worker] = [n for n in cluster.list_all_nodes() if n.node_id != head_id]
+    with open(tmp_path / "run.log", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+    try:
+        deadline = time.monotonic() + 400
+        while committed_rows(out) < rows // 3 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert proc.poll() is None, (tmp_path / "run.log").read_text()[-3000:]
+        at_kill = committed_rows(out)
+        victims = []
+        for infos in worker.all_processes.values():
+            for info in infos:
+                try:
+                    p = psutil.Process(info.process.pid)
+                    victims += [p, *p.children(recursive=True)]
+                except psutil.Error:
+                    pass
+        killed_at = time.monotonic()
+        end_processes(victims, grace_s=0)
+        proc.wait(timeout=300)
+        took = time.monotonic() - killed_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = (tmp_path / "run.log").read_text()
+    assert proc.returncode == 0, text[-3000:]
+    written = pq.read_table(out)
+    assert Counter(written.column("id").to_pylist()) == Counter(pq.read_table(corpus).column("id").to_pylist())
+    report = json.loads((out / "_report.json").read_text())
+    lost = [i for i in report["incidents"] if i["kind"] == "node_lost"]
+    assert [i["node"] for i in lost] == [worker.node_id], report["incidents"]
+    assert lost[0]["rows"] >= 0 and lost[0]["address"] in lost[0]["cause"]
+    engines = [(a["node"][:8], a.get("rows")) for a in report["engine"]["actors"]]
+    print(f"node lost at {at_kill} of {rows} rows committed; it held {lost[0]['rows']} rows in "
+          f"{lost[0]['blocks']} blocks; the run ended {took:.1f} s after the kill; engines (node, rows) {engines}; "
+          f"incidents {[(i['kind'], i.get('rows')) for i in report['incidents']]}")

@@ -87,3 +87,33 @@ def test_the_engines_under_the_runs_actors_end_and_the_actors_are_left_to_ray():
         for p in (actor, bystander):
             p.send_signal(signal.SIGKILL)
             p.wait(10)
+
+
+def test_a_node_lost_names_its_engine_and_the_rows_it_held_once():
+    from pipeline.run.pool import PoolLog
+
+    pool = PoolLog(engines=2)
+    pool.place("a1", {"node": "n-dead", "host": "h1", "incarnation": "i1"})
+    pool.place("a2", {"node": "n-live", "host": "h2", "incarnation": "i2"})
+    pool.hold("a1", "b1", 16)
+    pool.hold("a1", "b2", 16)
+    pool.hold("a2", "b3", 16)
+    pool.release("a1", "b2")
+    assert pool.nodes_lost({"n-dead": "10.0.0.7"}) == 1
+    [lost] = pool.events()
+    assert (lost["kind"], lost["actor"], lost["node"], lost["blocks"], lost["rows"]) == ("node_lost", "a1", "n-dead", 1, 16)
+    assert "10.0.0.7" in lost["cause"] and "engines left" in lost["cause"]
+    assert pool.nodes_lost({"n-dead": "10.0.0.7"}) == 0  # noted once
+
+
+def test_a_node_lost_whose_actor_restarted_elsewhere_counts_what_the_restart_took():
+    from pipeline.run.pool import PoolLog
+
+    pool = PoolLog(engines=1)
+    pool.place("a1", {"node": "n-dead", "host": "h1", "incarnation": "i1"})
+    pool.hold("a1", "b1", 32)
+    pool.restarted({"at": 1.0, "kind": "restart", "actor": "a1", "incarnation": "i9"})
+    pool.place("a1", {"node": "n-live", "host": "h2", "incarnation": "i9"})
+    assert pool.nodes_lost({"n-dead": "10.0.0.7"}) == 1
+    lost = [e for e in pool.events() if e["kind"] == "node_lost"]
+    assert [(e["incarnation"], e["rows"], e["restarted_as"]) for e in lost] == [("i1", 32, "i9")]
