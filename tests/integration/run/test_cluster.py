@@ -21,6 +21,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -222,6 +223,60 @@ def test_more_engines_than_nodes_fails_clearly(cluster, tiny_model, tmp_path):
     assert "3 engines" in last and "could not be placed in 5 s" in last and "2 nodes" in last
     assert "CPUs per node [3.0, 3.0]" in last
     assert not (tmp_path / "out").exists()
+
+
+def test_two_jobs_share_the_cluster_each_with_its_own_engine_output_and_metrics(cluster, tiny_model, tmp_path,
+                                                                                 gateway):
+    """The nightly job and kb_ingest at once on the cluster, one engine each: both finish,
+    every id once in each output, each run's engine its own (no actor, staging or lease in
+    common), and each run's metrics under its own job and output."""
+    nightly_in = write_corpus(tmp_path / "nightly" / "in.parquet", rows=160, seed=11)
+    kb_in = write_corpus(tmp_path / "kb" / "in.parquet", rows=40, seed=12)
+    common = ["--set", f"hardware.ray_address={cluster.address}", "--set", "hardware.num_engines=1",
+              "--set", f"model.name={tiny_model}", "--set", "sampling.max_new_tokens=16",
+              "--set", "batching.learned_limits=null", *(("--pushgateway", gateway) if gateway else ())]
+    runs = {}
+    for job, corpus in (("nightly_summarize", nightly_in), ("kb_ingest", kb_in)):
+        out = corpus.parent / "out"
+        log = open(corpus.parent / "run.log", "w")
+        runs[job] = (subprocess.Popen([sys.executable, "-m", "pipeline", "run", str(REPO / f"jobs/{job}.yaml"),
+                                       "--profile", str(REPO / "conf/local.yaml"), "--input", str(corpus),
+                                       "--output", str(out), *common], cwd=REPO, stdout=log,
+                                      stderr=subprocess.STDOUT, env=os.environ.copy()), out, corpus, log)
+    try:
+        for proc, _, _, log in runs.values():
+            proc.wait(timeout=480)
+            log.close()
+    finally:
+        for proc, *_ in runs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    reports = {}
+    for job, (proc, out, corpus, _) in runs.items():
+        assert proc.returncode == 0, (corpus.parent / "run.log").read_text()[-3000:]
+        reports[job] = report = json.loads((out / "_report.json").read_text())
+        ids = set(pq.read_table(corpus).column("id").to_pylist())
+        assert set(pq.read_table(out).column("id").to_pylist()) == ids
+        assert report["job"] == job and len(report["engine"]["actors"]) == 1
+        assert sorted(os.listdir(out.parent)) == ["in.parquet", "out", "run.log"]  # no staging, no lease left
+    a, b = (r["engine"]["actors"][0] for r in reports.values())
+    assert a["actor"] != b["actor"] and set(a["pids"]).isdisjoint(b["pids"])
+    assert reports["nightly_summarize"]["run_id"] != reports["kb_ingest"]["run_id"]
+    spans = [(datetime.fromisoformat(r["started_at"]).timestamp(), r["wall_s"]) for r in reports.values()]
+    assert max(s for s, _ in spans) < min(s + w for s, w in spans), spans  # they did run at once
+    if gateway is not None:
+        import urllib.request
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(f"{gateway}/metrics", timeout=5) as r:
+            samples = [s for f in text_string_to_metric_families(r.read().decode()) for s in f.samples]
+        for job, (_, out, corpus, _) in runs.items():
+            mine = [s for s in samples if s.labels.get("output") == str(out)]
+            assert {s.labels.get("job") for s in mine} == {job}
+            done = sum(s.value for s in mine if s.name == "pipeline_rows_done_total")
+            assert done == reports[job]["rows_in"], (job, done)  # documents: kb_ingest writes a row per passage
 
 
 def committed_rows(out: Path) -> int:
