@@ -28,7 +28,7 @@ PROFILE ?= conf/local-real.yaml
 # there); 8 of the 24 documents pass it and come out truncated, flagged.
 RUN_SETS ?= --set sampling.max_new_tokens=64 --set engine.max_model_len=1024
 
-.PHONY: setup run run-tiny test test-tools bench bench-real bench-repeated bench-timeline bench-batching bench-merge bench-nightly bench-reuse-lookup bench-resume bench-s3 bench-metrics bench-transformers gpu-check clean
+.PHONY: setup run run-tiny test test-tools bench bench-real bench-repeated bench-timeline bench-batching bench-merge bench-nightly bench-reuse-lookup bench-scale bench-resume bench-s3 bench-metrics bench-transformers gpu-check clean
 
 setup: $(STAMP)
 
@@ -113,6 +113,11 @@ bench-nightly: $(STAMP)
 # The reuse lookup alone at 100,000 and 1,000,000 keys, no engine (bench/reuse_lookup.py): a few minutes.
 bench-reuse-lookup: $(STAMP)
 	$(BIN)/python -m bench.reuse_lookup
+
+# A corpus 1x, 2x and 4x a 200 MiB object store streams through, each row carrying 10 KB
+# (bench/scale.py): peak memory per process and spilling, about 10 minutes on 2 cores.
+bench-scale: $(STAMP)
+	$(BIN)/python -m bench.scale
 
 bench-resume: $(STAMP)
 	$(BIN)/python -m bench.resume_cost

@@ -350,6 +350,11 @@ class HardwareConfig(_Section):
     ray_num_cpus: int | None = Field(
         None, gt=0, description="Local Ray only: logical CPUs to advertise (more than cores is fine)."
     )
+    object_store_mb: int | None = Field(
+        None, ge=80,
+        description="Local Ray only: the object store's size in MiB (Ray's default: 30% of memory). Blocks past "
+        "it spill to disk; a corpus larger than it streams through (make bench-scale).",
+    )
     isolate_engine_cpus: bool = Field(
         True,
         description="Local Ray on the CPU backend: once the engines are up, the run's other processes keep off "
