@@ -1,5 +1,5 @@
 """A corpus larger than the object store streams through: the nightly job on corpora of 1x,
-2x and 4x a capped object store (`hardware.object_store_mb`, 200 MiB), each row a short
+2x and 4x a capped object store (`hardware.object_store_mb`, 100 MiB), each row a short
 document beside a pass-through column of about 10 KB, so that generation stays cheap (4 new
 tokens) while the data is large.
 
@@ -11,7 +11,7 @@ bytes spilled to disk at once. Spilling is
 allowed, failing is not: every id must come out once. The driver's and every worker's
 peak must stay flat from 1x to 4x.
 
-    .venv/bin/python -m bench.scale [--cap-mb 200] [--sizes 1,2,4]
+    .venv/bin/python -m bench.scale [--cap-mb 100] [--sizes 1,2,4]
 
 Results go to bench/results/scale.{md,json}.
 """
@@ -23,6 +23,7 @@ import json
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -142,6 +143,7 @@ def one(rows: int, cap_mb: int, work: Path) -> dict:
         with Sampler(psutil.Process(proc.pid), ray_tmp) as sampler:
             proc.wait(timeout=3600)
     wall = time.monotonic() - started
+    shutil.rmtree(ray_tmp, ignore_errors=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{rows} rows: exit {proc.returncode}\n{(work / 'run.log').read_text()[-3000:]}")
     out = pq.read_table(work / "out", columns=["id"]).column("id").to_pylist()
@@ -157,7 +159,7 @@ def one(rows: int, cap_mb: int, work: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cap-mb", type=int, default=200)
+    parser.add_argument("--cap-mb", type=int, default=100)
     parser.add_argument("--sizes", default="1,2,4", help="corpus sizes, in multiples of the object store's cap")
     parser.add_argument("--out", default=str(REPO / "bench/results/scale"))
     args = parser.parse_args()
