@@ -553,8 +553,8 @@ class StoreConfig(_Section):
     `bound_s` of its first stalled request: 5 minutes by default."""
 
     request_timeout_s: float = Field(
-        STORE_DEFAULTS["request_timeout_s"], gt=0, description="A request that moves no byte for this long is given up (and tried again, "
-        "3 times in all)."
+        STORE_DEFAULTS["request_timeout_s"], gt=0,
+        description="A request that moves no byte for this long is given up (and tried again, 3 times in all).",
     )
     connect_timeout_s: float = Field(STORE_DEFAULTS["connect_timeout_s"], gt=0,
                                      description="A connection not made in this long is given up.")

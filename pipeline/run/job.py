@@ -229,8 +229,8 @@ def why_stopped(e: BaseException, target: OutputTarget, store: StoreConfig) -> s
                 "space there")
     unanswered = store_unanswered(e)
     if unanswered is not None:
-        return (f"an object store stopped answering (no byte for store.request_timeout_s {store.request_timeout_s:g} "
-                f"s, {STORE_ATTEMPTS} tries): {unanswered}")
+        return (f"an object store stopped answering ({STORE_ATTEMPTS} tries of store.request_timeout_s "
+                f"{store.request_timeout_s:g} s, {store.bound_s:g} s in all): {unanswered}")
     return f"{type(e).__name__}: {e}"
 
 
