@@ -12,7 +12,6 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pipeline.storage.fs import STORE_ATTEMPTS, STORE_DEFAULTS
 from pipeline.text.bucketing import DEFAULT_BOUNDARIES
 
 
@@ -544,6 +543,13 @@ class DebugConfig(_Section):
         """Every injected fault as (batch, kind), in batch order."""
         first = [(self.inject_oom_at_batch, self.inject_oom_kind)] if self.inject_oom_at_batch is not None else []
         return tuple(sorted(first + [(f.at_batch, f.kind) for f in self.more_faults]))
+
+
+# Object-store requests: each tried STORE_ATTEMPTS times in all (pyarrow's standard retry
+# strategy, the one a filesystem keeps when pickled to a Ray worker); `pipeline.storage.fs`
+# applies these in every process of a run.
+STORE_ATTEMPTS = 3
+STORE_DEFAULTS = {"request_timeout_s": 100.0, "connect_timeout_s": 10.0}
 
 
 class StoreConfig(_Section):

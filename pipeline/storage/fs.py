@@ -10,16 +10,16 @@ import uuid
 
 import pyarrow.fs as pafs
 
+from pipeline.config.models import STORE_ATTEMPTS, STORE_DEFAULTS
+
 
 # Requests to object stores: given up after a time with no byte moving, and tried
 # STORE_ATTEMPTS times in all: pyarrow's standard retry strategy, the one a filesystem
 # keeps when it is pickled to a Ray worker. The timeouts are the profile's `store`
 # (`pipeline.config.models.StoreConfig`), passed as environment variables so that every
 # process of a run (Ray workers too) resolves paths alike.
-STORE_ATTEMPTS = 3
 STORE_ENV = {"request_timeout_s": "PIPELINE_STORE_REQUEST_TIMEOUT_S",
              "connect_timeout_s": "PIPELINE_STORE_CONNECT_TIMEOUT_S"}
-STORE_DEFAULTS = {"request_timeout_s": 100.0, "connect_timeout_s": 10.0}
 
 
 def store_limits() -> dict[str, float]:
