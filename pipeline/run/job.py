@@ -26,7 +26,7 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from datetime import datetime, timezone
 from typing import Any, Literal
@@ -191,16 +191,20 @@ class RunStopped(RuntimeError):
     """The run failed with rows committed: its staging is kept, and `--resume` continues it."""
 
 
-def _no_space(e: BaseException) -> bool:
-    """Whether a disk ran full: ENOSPC anywhere in the chain, or in a Ray task's error,
-    which carries the worker's exception as text."""
+def _causes(e: BaseException | None) -> Iterator[BaseException]:
+    """`e` and what caused it, in turn (a Ray task's error names the worker's as `cause`)."""
     seen: set[int] = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if isinstance(e, OSError) and e.errno == errno.ENOSPC or "No space left on device" in str(e):
-            return True
+        yield e
         e = e.__cause__ or e.__context__ or getattr(e, "cause", None)
-    return False
+
+
+def _no_space(e: BaseException) -> bool:
+    """Whether a disk ran full: ENOSPC anywhere in the chain, or in a Ray task's error,
+    which carries the worker's exception as text."""
+    return any(isinstance(c, OSError) and c.errno == errno.ENOSPC or "No space left on device" in str(c)
+               for c in _causes(e))
 
 
 # What pyarrow (curl) and botocore say of a store that does not answer.
@@ -212,13 +216,10 @@ _UNANSWERED = ("AWS Error NETWORK_CONNECTION", "curlCode: 28", "Timeout was reac
 def store_unanswered(e: BaseException) -> str | None:
     """The line that says an object store stopped answering, if that is why `e` was raised
     (Ray tasks' errors carry the worker's exception as text); None otherwise."""
-    seen: set[int] = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        for line in str(e).splitlines():
+    for c in _causes(e):
+        for line in str(c).splitlines():
             if any(mark in line for mark in _UNANSWERED):
                 return line.strip()[:300]
-        e = e.__cause__ or e.__context__ or getattr(e, "cause", None)
     return None
 
 

@@ -241,10 +241,8 @@ def _exchange(a: str, b: str) -> bool:
 
 
 def _move_tree(fs: pafs.FileSystem, src: str, dst: str) -> None:
-    """Move a folder (or a file) whole: a rename locally, copy then delete on object stores."""
-    if is_local(fs):
-        os.rename(src, dst)
-        return
+    """Move a folder (or a file) whole on an object store: copy, then delete (locally a
+    rename does it, a step of `OutputTarget._publish_local`)."""
     info = fs.get_file_info(src)
     if info.type == pafs.FileType.File:
         fs.copy_file(src, dst)
