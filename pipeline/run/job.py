@@ -40,10 +40,10 @@ from pipeline.run import limits as limits_store
 from pipeline.text.bucketing import LengthBucketer, window_order
 from pipeline.storage.commits import COMMITS, key_columns, row_keys, without
 from pipeline.config import AdaptivePolicy, RunConfig
-from pipeline.config.models import StoreConfig
+from pipeline.config.models import STORE_ATTEMPTS, StoreConfig
 from pipeline.storage.inputs import InputError, check_inputs, duplicate_ids
 from pipeline.observe.metrics import RunLabels, RunMetrics, Watch
-from pipeline.storage.fs import STORE_ATTEMPTS, store_env
+from pipeline.storage.fs import store_env
 from pipeline.storage.output import OutputTarget, PublishError
 from pipeline.run.plan import (engine_description, engine_in_process, generate_settings, prepare_settings,
                                resolve_dtype, result_keys)

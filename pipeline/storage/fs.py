@@ -10,20 +10,20 @@ import uuid
 
 import pyarrow.fs as pafs
 
-from pipeline.config.models import STORE_ATTEMPTS, STORE_DEFAULTS
-
 
 # Requests to object stores: given up after a time with no byte moving, and tried
 # STORE_ATTEMPTS times in all: pyarrow's standard retry strategy, the one a filesystem
 # keeps when it is pickled to a Ray worker. The timeouts are the profile's `store`
 # (`pipeline.config.models.StoreConfig`), passed as environment variables so that every
-# process of a run (Ray workers too) resolves paths alike.
+# process of a run (Ray workers too) resolves paths alike. The constants are imported where
+# they are used: the GPU check imports this module on machines with no pydantic or yaml.
 STORE_ENV = {"request_timeout_s": "PIPELINE_STORE_REQUEST_TIMEOUT_S",
              "connect_timeout_s": "PIPELINE_STORE_CONNECT_TIMEOUT_S"}
 
 
 def store_limits() -> dict[str, float]:
     """This process's timeouts for object-store requests (`STORE_ENV`, else the defaults)."""
+    from pipeline.config.models import STORE_DEFAULTS
     return {k: float(os.environ.get(STORE_ENV[k], v)) for k, v in STORE_DEFAULTS.items()}
 
 
@@ -40,6 +40,7 @@ def resolve(path: str) -> tuple[pafs.FileSystem, str]:
         return pafs.LocalFileSystem(), os.path.abspath(path)
     fs, inner = pafs.FileSystem.from_uri(path)
     if isinstance(fs, pafs.S3FileSystem):
+        from pipeline.config.models import STORE_ATTEMPTS
         _, (options,) = fs.__reduce__()  # what pyarrow resolved from the URI and the environment
         limits = store_limits()
         fs = pafs.S3FileSystem(**{**options, "request_timeout": limits["request_timeout_s"],

@@ -20,7 +20,8 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from pipeline.storage.fs import STORE_ATTEMPTS, store_limits
+from pipeline.config.models import STORE_ATTEMPTS
+from pipeline.storage.fs import store_limits
 
 COPY_THREADS = 32
 DELETE_BATCH = 1000  # S3's limit per DeleteObjects request

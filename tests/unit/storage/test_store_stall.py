@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from pipeline.storage.fs import STORE_ATTEMPTS, read_bytes, resolve
+from pipeline.config.models import STORE_ATTEMPTS
+from pipeline.storage.fs import read_bytes, resolve
 from pipeline.storage.objectstore import S3Store
 from pipeline.storage.output import OutputTarget, PublishError
 from pipeline.run.job import store_unanswered
