@@ -9,6 +9,7 @@ from pipeline.config.models import (
     BucketingConfig,
     DebugConfig,
     EngineConfig,
+    ServerConfig,
     FixedPolicy,
     HardwareConfig,
     InputConfig,
@@ -27,7 +28,7 @@ from pipeline.config.models import (
 
 __all__ = [
     "AdaptivePolicy", "AnnotationsConfig", "BatchingConfig", "BucketingConfig", "ConfigError",
-    "DebugConfig", "EngineConfig", "FixedPolicy", "HardwareConfig", "TunedPolicy",
+    "DebugConfig", "EngineConfig", "ServerConfig", "FixedPolicy", "HardwareConfig", "TunedPolicy",
     "InputConfig", "JobConfig", "LengthConfig", "ModelConfig", "OutputConfig", "PassagesConfig", "ProfileConfig",
     "PromptConfig", "RestartConfig", "RunConfig", "SamplingConfig", "load_run_config", "parse_override",
 ]

@@ -251,15 +251,51 @@ class RestartConfig(_Section):
     )
 
 
+class ServerConfig(_Section):
+    """`engine.backend: server`: a live OpenAI-compatible server (vLLM's, say) that the job
+    shares with online traffic. `model.name` is still the local folder whose tokenizer the
+    prepare stage uses; `model` here is the name the server serves it under."""
+
+    url: str = Field(description="The server's base URL, e.g. http://10.0.0.5:8000 (the /v1 paths are added).")
+    model: str = Field(description="The model name the server serves (its /v1/models id).")
+    api_key_env: str | None = Field(
+        None, description="Environment variable holding the API key (sent as a bearer token); none: no key.")
+    ca_file: str | None = Field(None, description="CA bundle to verify the server's TLS certificate with.")
+    revision: str | None = Field(
+        None, description="What the server runs, as you name it (an image tag, a model hash): results are "
+        "keyed for reuse only with it, since the server's weights cannot be read from here.")
+    max_in_flight: int = Field(64, gt=0, description="Hard cap on requests in flight, whatever the policy asks.")
+    feedback: bool = Field(
+        True, description="Size the requests in flight by the server's queue and latency (the in-flight policy). "
+        "false: always max_in_flight, a fixed concurrency (as Ray Data LLM's HTTP processor), for comparison.")
+    start_in_flight: int = Field(4, gt=0, description="Requests in flight to begin with; the policy grows it.")
+    ttft_slo_ms: float = Field(
+        2000.0, gt=0, description="Time-to-first-token target: above it (ours, or the server's online requests' "
+        "as its /metrics histogram shows) the job backs off.")
+    priority: int = Field(
+        10, description="vLLM's request priority (under --scheduling-policy priority lower runs first; "
+        "online requests default to 0, so a positive value yields to them).")
+    unavailable_s: float = Field(
+        120.0, gt=0, description="A server that serves nothing for this long (refused connections, 5xx, "
+        "timeouts) stops the run, resumable.")
+    request_timeout_s: float = Field(600.0, gt=0, description="One request's time limit, generation included.")
+    max_retries: int = Field(8, ge=0, description="Retries of one request answered 429 or 503 before it is "
+                             "that row's error.")
+    metrics_interval_s: float = Field(0.5, gt=0, description="How often the server's /metrics are read.")
+
+
 class EngineConfig(_Section):
     """The engine: vLLM's own settings (passed to `vllm.LLM`) and `restart`, or the
-    transformers backend's (`backend`, `memory_budget_gib`, `dtype`, `max_num_seqs`)."""
+    transformers backend's (`backend`, `memory_budget_gib`, `dtype`, `max_num_seqs`),
+    or a live server's (`server`)."""
 
-    backend: Literal["vllm", "transformers"] = Field(
+    backend: Literal["vllm", "transformers", "server"] = Field(
         "vllm", description="vllm: continuous batching, preallocated KV cache (the default). transformers: "
         "static batches padded to their longest prompt, decoder-only or encoder-decoder models (BART, T5), "
-        "batch size grown against real memory; no annotations.",
+        "batch size grown against real memory; no annotations. server: requests to a live OpenAI-compatible "
+        "server (`engine.server`), as many in flight as its queue and latency allow.",
     )
+    server: ServerConfig | None = Field(None, description="backend server: the server to send rows to.")
     memory_budget_gib: float | None = Field(
         None, gt=0, description="transformers backend: the memory one engine may use, weights included. "
         "Required on CPU (an out-of-memory there can't be caught, so batches grow against this); on a GPU "
@@ -591,6 +627,15 @@ class ProfileConfig(_Section):
         if e.backend == "transformers" and self.hardware.accelerator != "gpu" and e.memory_budget_gib is None:
             raise ValueError("engine.memory_budget_gib is needed for engine.backend: transformers on CPU: an "
                              "out-of-memory there can't be caught, so batches grow against a budget instead")
+        return self
+
+    @model_validator(mode="after")
+    def _server_backend_needs_a_server(self) -> ProfileConfig:
+        e = self.engine
+        if e.backend == "server" and e.server is None:
+            raise ValueError("engine.backend: server needs engine.server (its url and model)")
+        if e.backend != "server" and e.server is not None:
+            raise ValueError(f"engine.server is set but engine.backend is {e.backend!r}: set backend: server to use it")
         return self
 
     @model_validator(mode="after")

@@ -17,6 +17,7 @@ from pipeline.generation.engine import Sampling
 from pipeline.generation.hf import HFSettings
 from pipeline.generation.merge import sampling_key
 from pipeline.generation.result_key import KEY_VERSION, run_key_base
+from pipeline.generation.server import ServerSettings
 from pipeline.generation.vllm import VLLMSettings
 from pipeline.models.digest import model_digest
 from pipeline.observe.machine import cpu_flags
@@ -101,8 +102,24 @@ def hf_settings(model: str, engine: EngineConfig, seed: int | None) -> HFSetting
                       max_num_seqs=engine.max_num_seqs or 256, memory_budget_gib=engine.memory_budget_gib, seed=seed)
 
 
+def server_settings(model: str, engine: EngineConfig) -> ServerSettings | None:
+    """The server backend's settings (None for the others); `model`: our tokenizer's folder."""
+    s = engine.server
+    if engine.backend != "server" or s is None:
+        return None
+    return ServerSettings(url=s.url, model=s.model, max_in_flight=s.max_in_flight,
+                          start_in_flight=s.start_in_flight if s.feedback else s.max_in_flight, feedback=s.feedback,
+                          ttft_slo_ms=s.ttft_slo_ms, priority=s.priority, unavailable_s=s.unavailable_s,
+                          request_timeout_s=s.request_timeout_s, max_retries=s.max_retries,
+                          metrics_interval_s=s.metrics_interval_s, api_key_env=s.api_key_env, ca_file=s.ca_file,
+                          tokenizer_path=model, max_model_len=engine.max_model_len)
+
+
 def engine_description(model: str, engine: EngineConfig, seed: int | None) -> dict[str, Any]:
     """The engine's settings as the report gives them."""
+    server = server_settings(model, engine)
+    if server is not None:
+        return {"backend": "server", **asdict(server)}
     if engine.backend == "transformers":
         return {"backend": "transformers", **asdict(hf_settings(model, engine, seed))}
     return engine_kwargs(model, engine, seed)
@@ -152,6 +169,7 @@ def generate_settings(config: RunConfig, prepare: PrepareSettings, run_id: str,
                        step_timeline=profile.debug.step_timeline, in_process=engine_in_process(profile)),
         backend=profile.engine.backend,
         hf=hf_settings(prepare.model_path, profile.engine, job.sampling.seed),
+        server=server_settings(prepare.model_path, profile.engine),
         sampling=sampling_of(job.sampling),
         prepare=prepare,
         policy=batching.policy,
@@ -185,7 +203,13 @@ def result_keys(config: RunConfig, prepare: PrepareSettings) -> dict[str, Any]:
         out["off"] = "sampling with a temperature and no seed: every result is its own"
         return out
     job, engine = config.job, config.profile.engine
-    out["model_digest"] = model_digest(prepare.model_path)
+    served = engine.server
+    if engine.backend == "server" and served is not None and served.revision is None:
+        out["off"] = (f"the server's weights can't be read from here: set engine.server.revision (what "
+                      f"{served.url} runs) to key its results")
+        return out
+    out["model_digest"] = (model_digest(prepare.model_path) if served is None
+                           else f"server:{served.model}@{served.revision}")
     out["base"] = run_key_base(
         out["model_digest"], sampling,
         {"backend": engine.backend, "dtype": engine.dtype, "max_model_len": prepare.max_model_len,

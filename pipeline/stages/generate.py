@@ -61,6 +61,7 @@ from pipeline.generation.policy import (BatchPolicy, BatchSizeController, Contro
 from pipeline.generation.tasks import (Annotation, AnnotationTask, BatchCalls, ChunkText, EngineCalls, annotate,
                                        map_reduce, summarize)
 from pipeline.generation.hf import HFSettings, TransformersEngine
+from pipeline.generation.server import ServerEngine, ServerSettings
 from pipeline.generation.vllm import VLLMEngine, VLLMSettings
 from pipeline.generation.vllm_logs import python_warnings_once
 from pipeline.text.length import char_span, windows
@@ -68,7 +69,7 @@ from pipeline.observe.metrics import EngineMeter, MeterSources, engine_name
 from pipeline.reuse.index import REUSED_FROM, REUSED_PREFIX, ok_rows, rows_to_generate
 from pipeline.schema import Status
 from pipeline.stages.lifeline import Lifeline
-from pipeline.stages.prepare import PrepareSettings, PrepareStage
+from pipeline.stages.prepare import PrepareSettings, PrepareStage, load_tokenizer
 
 
 def bucket_runs(rows: list[int], buckets: list[int], grouping: str,
@@ -153,8 +154,9 @@ class GenerateSettings:
     pool_gate: Any = None  # an object whose wait() returns once every engine of the pool is up
     stall_timeout_s: float | None = None  # a step running longer is a hung engine
     fail_on_start: bool = False  # drills: the engine fails to start
-    backend: str = "vllm"  # or "transformers": `hf` then builds the engine
+    backend: str = "vllm"  # or "transformers": `hf` then builds the engine; or "server": `server` does
     hf: HFSettings | None = None
+    server: ServerSettings | None = None
     quiet_warnings: bool = True  # each vLLM warning once per run (the pool gate's `first_time`); off with --verbose
 
 
@@ -182,6 +184,10 @@ def where_am_i() -> dict[str, Any]:
 
 def make_policy(settings: GenerateSettings, engine: Engine, learned: dict[str, int] | None) -> BatchPolicy:
     """The batch policy the settings name, built for this engine."""
+    if settings.backend == "server":
+        # The server engine keeps its own limit in flight (`InFlightController`) and queues
+        # the rest: the feeder only keeps it stocked.
+        return FixedBatchPolicy(engine.max_num_seqs)
     match settings.policy:
         case FixedPolicy(rows_per_call=rows):
             return FixedBatchPolicy(rows)
@@ -361,6 +367,9 @@ class GenerateStage:
     def _build_engine(self, settings: GenerateSettings, warn_once: Any) -> Engine:
         if settings.backend == "transformers" and settings.hf is not None:
             return TransformersEngine(settings.hf)
+        if settings.backend == "server" and settings.server is not None:
+            tokenizer = load_tokenizer(settings.server.tokenizer_path) if settings.server.tokenizer_path else None
+            return ServerEngine(settings.server, tokenizer)
         return VLLMEngine(settings.engine, warn_once=warn_once)
 
     def _meter(self, gate: Any) -> EngineMeter | None:
@@ -421,6 +430,7 @@ class GenerateStage:
             "pids": self.engine_pids(),
             **({"step_timeline": timeline} if (timeline := self.engine.step_timeline()) is not None else {}),
             "learned": self.policy.learned_limits(),
+            **({"server": self.engine.report()} if isinstance(self.engine, ServerEngine) else {}),
             # Padding by the bucket of each batch: the feeder's record (it knows the buckets).
             **({"padding": t.padding.to_json()} if self.engine.pads_batches else {}),
         }

@@ -9,6 +9,7 @@ import pytest
 
 from pipeline.generation import engine as contract
 from pipeline.generation.hf import TransformersEngine
+from pipeline.generation.server import ServerEngine
 from pipeline.generation.vllm import VLLMEngine
 from tests.helpers.fake_engine import FakeEngine
 from tests.helpers.fake_engine import FakeDevice
@@ -33,7 +34,7 @@ def test_the_protocol_declares_what_its_callers_use():
     assert "memory" in inspect.signature(contract.Engine.kill_core).parameters
 
 
-@pytest.mark.parametrize("engine", [VLLMEngine, TransformersEngine, FakeEngine, FakeDevice])
+@pytest.mark.parametrize("engine", [VLLMEngine, TransformersEngine, ServerEngine, FakeEngine, FakeDevice])
 def test_every_engine_has_every_member_of_the_protocol(engine):
     assert ATTRIBUTES - instance_attributes(engine) == set()
     for name in METHODS:

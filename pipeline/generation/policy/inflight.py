@@ -1,0 +1,154 @@
+"""How many requests a job keeps in flight on a server it shares with online traffic.
+
+For a live server the "batch" is the number of our requests in flight, and the pressure
+is the server's, not our memory's. `InFlightController` is fed one `ServerSample` per
+reading of the server's `/metrics` (every `engine.server.metrics_interval_s`) and sets
+the limit that the server engine (`pipeline.generation.server`) dispatches up to.
+
+The rule, per sample:
+- Back off, halving the limit (not below `floor`), for any of these reasons:
+  - `online`: the server serves requests that are not ours. Either it has finished more
+    than ours (`server_done` - `ours_done` rose past its highest so far; ours are read
+    after the server's, so the difference undercounts, and its running maximum absorbs
+    ours caught between the two readings), or it runs or queues more than ours in flight
+    and finished since the last sample (its gauges are as of its last step, so this too
+    undercounts rather than mistake our requests for others').
+  - `queue`: requests waited in two samples in a row (the server is full).
+  - `preempted`: the server's preemption count rose.
+  - `ttft`: our requests' time to first token passed `ttft_slo_ms`.
+  - `throttled`: the server answered 429 or 503.
+  At most one back-off per `hold` + 1 samples: a reason that lasts halves the limit
+  again every `hold` + 1 samples, down to `floor`.
+- Grow when no reason has been seen for `hold` samples in a row, nothing waits, and our
+  requests filled the limit (a limit we did not use says nothing about whether the
+  server could take more): by half again up to the threshold, by an eighth (at least
+  one) past it. A back-off for the server's capacity (queue, preempted, ttft, throttled)
+  sets the threshold to the halved limit, so the limit closes in on the level that hurt
+  instead of jumping past it (TCP's slow-start threshold); one for online traffic leaves
+  it, so the job climbs back quickly once the online load has gone.
+
+Oscillation bound. Under steady conditions where a capacity reason fires once the limit
+reaches some level L, after its first back-off the limit stays within
+[L/2, L + max(1, L/8)] and backs off at most once every `hold` + 1 samples: a back-off
+halves a limit of at least L (at most 1.5 L on the first climb), and growth nears L from
+below in steps of at most an eighth and stops while anything waits. Tested against a
+simulated server in tests/unit/generation/test_inflight.py.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ServerSample:
+    """One reading of the server and of our side of it."""
+
+    waiting: int  # the server's requests waiting (ours and others')
+    running: int  # the server's requests running (ours and others')
+    preemptions: int  # the server's preemptions so far (a counter)
+    in_flight: int  # ours, sent and not yet answered in full
+    ttft_ms: float | None = None  # our requests' time to first token since the last sample (the highest)
+    throttled: int = 0  # our requests answered 429 or 503 since the last sample
+    kv_cache: float | None = None  # the server's KV-cache usage 0..1, where it reports it
+    server_ttft_ms: float | None = None  # the server's mean time to first token since the last sample (all clients)
+    finished: int = 0  # ours that finished since the last sample (the server's gauges may still count them)
+    server_done: int | None = None  # requests the server has finished so far, all clients' (a counter)
+    ours_done: int = 0  # ours it has finished so far, counted after reading `server_done`
+
+    @property
+    def foreign(self) -> int:
+        """Requests on the server that are not ours (a lower bound): its gauges are as of its
+        last step, which may still count ours that finished in it."""
+        return max(0, self.running + self.waiting - self.in_flight - self.finished)
+
+
+@dataclass
+class InFlightController:
+    """The number of requests in flight, sized by the server's feedback (module docstring)."""
+
+    max_in_flight: int
+    ttft_slo_ms: float
+    start: int = 4
+    floor: int = 1
+    hold: int = 2  # samples
+    adaptive: bool = True  # False: the limit stays at `start` (samples are still recorded)
+    limit: int = field(init=False)
+    _since_backoff: int = field(init=False, default=1 << 30)  # samples since the last back-off
+    _clear: int = field(init=False, default=0)  # samples in a row with no reason to back off
+    _last_preemptions: int | None = field(init=False, default=None)
+    _queued_before: bool = field(init=False, default=False)
+    _others_done: int | None = field(init=False, default=None)  # the highest server_done - ours_done so far
+    threshold: int | None = field(init=False, default=None)  # growth is by an eighth from here on
+    _samples: int = field(init=False, default=0)
+    _t0: float = field(init=False, default_factory=time.monotonic)
+    started_at: float = field(init=False, default_factory=time.time)  # the steps' `t` counts from here (Unix time)
+    steps: list[dict[str, Any]] = field(init=False, default_factory=list)
+    backoffs: list[dict[str, Any]] = field(init=False, default_factory=list)
+    peak_in_flight: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        self.floor = max(1, min(self.floor, self.max_in_flight))
+        self.limit = max(self.floor, min(self.start, self.max_in_flight))
+
+    def reasons(self, s: ServerSample) -> list[str]:
+        """Why `s` calls for a back-off ([] if it does not)."""
+        why = []
+        others = None if s.server_done is None else s.server_done - s.ours_done
+        if s.foreign > 0 or (others is not None and self._others_done is not None and others > self._others_done):
+            why.append("online")
+        if s.waiting > 0 and self._queued_before:
+            why.append("queue")
+        if self._last_preemptions is not None and s.preemptions > self._last_preemptions:
+            why.append("preempted")
+        if s.ttft_ms is not None and s.ttft_ms > self.ttft_slo_ms:
+            why.append("ttft")
+        if s.throttled:
+            why.append("throttled")
+        return why
+
+    def observe(self, s: ServerSample, now: float | None = None) -> int:
+        """Take one sample; the limit from now on."""
+        t = round((time.monotonic() if now is None else now) - self._t0, 3)
+        why = self.reasons(s)
+        self._queued_before = s.waiting > 0
+        if s.server_done is not None:
+            others = s.server_done - s.ours_done
+            self._others_done = others if self._others_done is None else max(self._others_done, others)
+        self._last_preemptions = s.preemptions
+        self._samples += 1
+        self.peak_in_flight = max(self.peak_in_flight, s.in_flight)
+        before = self.limit
+        self._since_backoff += 1
+        self._clear = 0 if why else self._clear + 1
+        if not self.adaptive:
+            pass
+        elif why and self._since_backoff > self.hold:
+            self.limit = max(self.floor, self.limit // 2)
+            if set(why) != {"online"}:
+                self.threshold = self.limit
+            self._since_backoff = 0
+            if self.limit != before:
+                self.backoffs.append({"t": t, "from": before, "to": self.limit, "reasons": why,
+                                      "waiting": s.waiting, "running": s.running, "foreign": s.foreign,
+                                      "ttft_ms": s.ttft_ms})
+        elif self._clear >= self.hold and s.waiting == 0 and s.in_flight >= self.limit and self.limit < self.max_in_flight:
+            if self.threshold is None or self.limit < self.threshold:
+                grown = min(self.limit + max(1, self.limit // 2), self.threshold or self.max_in_flight)
+            else:
+                grown = self.limit + max(1, self.limit // 8)
+            self.limit = min(self.max_in_flight, grown)
+        if self.limit != before or self._samples % 20 == 1 or why:
+            self.steps.append({"t": t, "limit": self.limit, **{k: v for k, v in asdict(s).items() if v is not None},
+                               "foreign": s.foreign, **({"reasons": why} if why else {})})
+        return self.limit
+
+    def trajectory(self) -> dict[str, Any]:
+        """The limit over time (each change, each back-off's sample, and every 20th sample),
+        the back-offs with their reasons, and where it stands."""
+        return {"started_at": round(self.started_at, 3), "limit": self.limit, "threshold": self.threshold,
+                "max_in_flight": self.max_in_flight, "ttft_slo_ms": self.ttft_slo_ms,
+                "samples": self._samples, "peak_in_flight": self.peak_in_flight,
+                "steps": list(self.steps), "backoffs": list(self.backoffs)}

@@ -1,0 +1,123 @@
+"""The in-flight policy against a simulated server: a scheduler with room for `capacity`
+requests, a latency curve, and online traffic that comes and goes."""
+
+from dataclasses import dataclass
+
+import pytest
+
+from pipeline.generation.policy.inflight import InFlightController, ServerSample
+
+
+@dataclass
+class SimServer:
+    """A server with `capacity` running slots: what does not fit waits. Time to first token
+    grows with what runs. `online` of its requests are another client's; each sample they
+    finish `online_rate` requests, and ours finish `ours_rate`."""
+
+    capacity: int = 32
+    base_ttft_ms: float = 50.0
+    ms_per_running: float = 10.0
+    online: int = 0
+    online_rate: int = 0
+    server_done: int = 0
+    ours_done: int = 0
+    preemptions: int = 0
+
+    def sample(self, ours: int, ours_rate: int = 4) -> ServerSample:
+        total = ours + self.online
+        running, waiting = min(self.capacity, total), max(0, total - self.capacity)
+        self.server_done += ours_rate + self.online_rate
+        self.ours_done += ours_rate
+        return ServerSample(waiting=waiting, running=running, preemptions=self.preemptions, in_flight=ours,
+                            ttft_ms=self.base_ttft_ms + self.ms_per_running * running,
+                            server_done=self.server_done, ours_done=self.ours_done)
+
+
+def drive(c: InFlightController, server: SimServer, samples: int, backlog: int = 10_000) -> list[int]:
+    """`samples` readings with `backlog` rows to send; the limit after each."""
+    limits = []
+    for i in range(samples):
+        c.observe(server.sample(min(c.limit, backlog)), now=c._t0 + i * 0.5)
+        limits.append(c.limit)
+    return limits
+
+
+def test_it_grows_while_the_server_is_idle_up_to_the_cap():
+    c = InFlightController(max_in_flight=48, ttft_slo_ms=10_000, start=4)
+    limits = drive(c, SimServer(capacity=64), 40)
+    assert limits[-1] == 48  # the hard cap bounds it
+    assert limits == sorted(limits) and c.backoffs == []
+    assert limits.index(48) < 20  # by half again per growth: 4 -> 48 in a few holds
+
+
+def test_it_does_not_grow_a_limit_it_does_not_use():
+    c = InFlightController(max_in_flight=64, ttft_slo_ms=10_000, start=4)
+    drive(c, SimServer(capacity=64), 40, backlog=3)
+    assert c.limit == 4
+
+
+def test_online_load_halves_it_until_the_load_goes_then_it_climbs_back():
+    c, server = InFlightController(max_in_flight=64, ttft_slo_ms=10_000, start=64), SimServer(capacity=128)
+    drive(c, server, 10)
+    assert c.limit == 64
+    server.online, server.online_rate = 2, 2
+    under = drive(c, server, 30)
+    assert under[0] == 32 and under[-1] == 1  # halved, again every hold + 1 samples, to the floor
+    assert all(b["reasons"] == ["online"] for b in c.backoffs)
+    assert all(later - earlier >= c.hold + 1 for earlier, later in
+               zip([b["t"] / 0.5 for b in c.backoffs], [b["t"] / 0.5 for b in c.backoffs[1:]]))
+    server.online, server.online_rate = 0, 0
+    after = drive(c, server, 30)
+    assert after[-1] == 64  # an online back-off sets no threshold: it climbs back by half again
+    assert c.threshold is None
+
+
+def test_a_capacity_limit_bounds_the_oscillation_as_the_docstring_says():
+    """Requests wait once ours pass the server's 24 slots: past the first back-off, the limit
+    stays within [L/2, L + max(1, L/8)] and backs off at most once every hold + 1 samples."""
+    capacity = 24
+    c = InFlightController(max_in_flight=256, ttft_slo_ms=10_000, start=4)
+    limits = drive(c, SimServer(capacity=capacity), 400)
+    first = int(c.backoffs[0]["t"] / 0.5)
+    level = capacity + 1  # "queue" fires from here on (two samples in a row with requests waiting)
+    settled = limits[first:]
+    assert min(settled) >= level // 2 and max(settled) <= level + max(1, level // 8)
+    times = [round(b["t"] / 0.5) for b in c.backoffs]
+    assert all(b - a >= c.hold + 1 for a, b in zip(times, times[1:]))
+    assert all(set(b["reasons"]) == {"queue"} for b in c.backoffs)
+    assert len(c.backoffs) >= 5  # it keeps probing the level, not stuck below it
+
+
+def test_time_to_first_token_over_the_target_backs_off():
+    c = InFlightController(max_in_flight=64, ttft_slo_ms=300, start=4)
+    limits = drive(c, SimServer(capacity=64, base_ttft_ms=50, ms_per_running=10), 100)
+    assert max(limits[30:]) <= 26 + 4  # 50 + 10 x running passes 300 ms above 25 running
+    assert {"ttft"} <= {r for b in c.backoffs for r in b["reasons"]}
+
+
+@pytest.mark.parametrize("field, value, reason", [("preemptions", 5, "preempted"), ("throttled", 1, "throttled")])
+def test_preemptions_and_throttling_back_off(field, value, reason):
+    c = InFlightController(max_in_flight=64, ttft_slo_ms=10_000, start=16)
+    quiet = ServerSample(waiting=0, running=16, preemptions=0, in_flight=16)
+    c.observe(quiet)
+    c.observe(ServerSample(**{**quiet.__dict__, field: value}))
+    assert c.limit == 8 and c.backoffs[-1]["reasons"] == [reason] and c.threshold == 8
+
+
+def test_ours_caught_between_the_two_readings_are_not_taken_for_online_traffic():
+    """The server's finished count is read first, ours after: ours finished in between make
+    the difference dip, and its running maximum keeps the dip from reading as others'."""
+    c = InFlightController(max_in_flight=64, ttft_slo_ms=10_000, start=8)
+    for server_done, ours_done in [(100, 100), (110, 113), (120, 120), (130, 130), (135, 137)]:
+        c.observe(ServerSample(waiting=0, running=8, preemptions=0, in_flight=8, server_done=server_done,
+                               ours_done=ours_done))
+    assert c.backoffs == []
+    c.observe(ServerSample(waiting=0, running=8, preemptions=0, in_flight=8, server_done=141, ours_done=140))
+    assert c.backoffs[-1]["reasons"] == ["online"]
+
+
+def test_a_fixed_concurrency_never_moves_but_still_records():
+    c = InFlightController(max_in_flight=64, ttft_slo_ms=100, start=64, adaptive=False)
+    server = SimServer(capacity=16, online=4, online_rate=2)
+    assert set(drive(c, server, 30)) == {64}
+    assert c.backoffs == [] and c.trajectory()["samples"] == 30 and c.steps
