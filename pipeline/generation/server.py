@@ -45,6 +45,7 @@ logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request other
 # punctuation, accents and a dash, as real documents have.
 PROBE_TEXT = "Summarize: the café's 3 reports (2026-12-03) — naïve units, 17.5% faster; done."
 STEP_WAIT_S = 0.05  # a step returns after this long if nothing finished
+STREAMS_CATCH_UP_S = 0.05
 
 
 class ServerUnavailable(EngineDead):
@@ -123,8 +124,11 @@ class ServerEngine:
     padding = None
     kv_cache_tokens = None
 
-    def __init__(self, settings: ServerSettings, tokenizer: Any = None):
+    def __init__(self, settings: ServerSettings, tokenizer: Any = None, transport: Any = None):
+        """`tokenizer`: ours (the prepare stage's), for the probe and text prompts.
+        `transport`: httpx's, in place of the network (the unit tests' fake server)."""
         self.settings = settings
+        self._transport = transport
         self.tokenizer = tokenizer
         started = time.monotonic()
         self.max_num_seqs = settings.max_in_flight
@@ -186,7 +190,7 @@ class ServerEngine:
             headers["Authorization"] = f"Bearer {key}"
         limits = httpx.Limits(max_connections=s.max_in_flight + 4, max_keepalive_connections=s.max_in_flight + 4)
         return httpx.AsyncClient(base_url=s.base, headers=headers, verify=s.ca_file or True, limits=limits,
-                                 timeout=httpx.Timeout(s.request_timeout_s, connect=10.0))
+                                 timeout=httpx.Timeout(s.request_timeout_s, connect=10.0), transport=self._transport)
 
     async def _probe(self) -> dict[str, Any]:
         """The server serves our model, and how prompts will go to it (token ids or text)."""
@@ -258,6 +262,9 @@ class ServerEngine:
                 g = parse_metrics(r.text) if r.status_code == 200 else {}
             except Exception:  # no metrics this time: the requests say whether the server is there
                 g = {}
+            # The server counts a request finished as it queues its last chunk to us: let the
+            # streams read what has arrived before ours are counted against its count.
+            await asyncio.sleep(STREAMS_CATCH_UP_S)
             with self._lock:
                 ttfts, self._ttft_since_sample = self._ttft_since_sample, []
                 throttled, self._throttled_since_sample = self._throttled_since_sample, 0

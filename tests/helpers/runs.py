@@ -83,12 +83,18 @@ def engines_left(report: dict, ended_at: float, grace_s: float = ENGINE_GRACE_S)
 def run_processes(driver: psutil.Process, ray_tmp: str) -> list[psutil.Process]:
     """The driver's process tree, and every process of its Ray instance (their command
     lines name its own temp dir): all of this run's processes, none of anyone else's."""
-    found = {p.pid: p for p in driver.children(recursive=True)}
+    try:
+        found = {p.pid: p for p in driver.children(recursive=True)}
+    except psutil.NoSuchProcess:  # the driver has exited: what its Ray left is found by its temp dir
+        found = {}
     for p in psutil.process_iter(["cmdline"]):
         if any(ray_tmp in part for part in p.info["cmdline"] or []):
             found.setdefault(p.pid, p)
-            for child in p.children(recursive=True):
-                found.setdefault(child.pid, child)
+            try:
+                for child in p.children(recursive=True):
+                    found.setdefault(child.pid, child)
+            except psutil.NoSuchProcess:
+                continue
     found.pop(driver.pid, None)
     return list(found.values())
 

@@ -8,10 +8,10 @@ the limit that the server engine (`pipeline.generation.server`) dispatches up to
 The rule, per sample:
 - Back off, halving the limit (not below `floor`), for any of these reasons:
   - `online`: the server serves requests that are not ours. Either it has finished more
-    than ours (`server_done` - `ours_done` rose past its highest so far; ours are read
-    after the server's, so the difference undercounts, and its running maximum absorbs
-    ours caught between the two readings), or it runs or queues more than ours in flight
-    and finished since the last sample (its gauges are as of its last step, so this too
+    than ours: others' = `server_done` - `ours_done`, settled over two samples (the lower
+    of the two: one of ours finished at the server but not yet read by us lifts a single
+    sample), rose past its highest so far. Or it runs or queues more than ours in flight
+    and finished since the last sample (its gauges are as of its last step, so this
     undercounts rather than mistake our requests for others').
   - `queue`: requests waited in two samples in a row (the server is full).
   - `preempted`: the server's preemption count rose.
@@ -80,7 +80,8 @@ class InFlightController:
     _clear: int = field(init=False, default=0)  # samples in a row with no reason to back off
     _last_preemptions: int | None = field(init=False, default=None)
     _queued_before: bool = field(init=False, default=False)
-    _others_done: int | None = field(init=False, default=None)  # the highest server_done - ours_done so far
+    _others_last: int | None = field(init=False, default=None)  # server_done - ours_done at the last sample
+    _others_done: int | None = field(init=False, default=None)  # the highest settled value of it so far
     threshold: int | None = field(init=False, default=None)  # growth is by an eighth from here on
     _samples: int = field(init=False, default=0)
     _t0: float = field(init=False, default_factory=time.monotonic)
@@ -93,11 +94,17 @@ class InFlightController:
         self.floor = max(1, min(self.floor, self.max_in_flight))
         self.limit = max(self.floor, min(self.start, self.max_in_flight))
 
+    def _settled(self, s: ServerSample) -> int | None:
+        """Others' finished requests, the lower of this sample's count and the last one's."""
+        if s.server_done is None or self._others_last is None:
+            return None
+        return min(s.server_done - s.ours_done, self._others_last)
+
     def reasons(self, s: ServerSample) -> list[str]:
         """Why `s` calls for a back-off ([] if it does not)."""
         why = []
-        others = None if s.server_done is None else s.server_done - s.ours_done
-        if s.foreign > 0 or (others is not None and self._others_done is not None and others > self._others_done):
+        settled = self._settled(s)
+        if s.foreign > 0 or (settled is not None and self._others_done is not None and settled > self._others_done):
             why.append("online")
         if s.waiting > 0 and self._queued_before:
             why.append("queue")
@@ -114,9 +121,12 @@ class InFlightController:
         t = round((time.monotonic() if now is None else now) - self._t0, 3)
         why = self.reasons(s)
         self._queued_before = s.waiting > 0
-        if s.server_done is not None:
-            others = s.server_done - s.ours_done
-            self._others_done = others if self._others_done is None else max(self._others_done, others)
+        settled = self._settled(s)
+        if settled is not None and self._others_done is not None:
+            self._others_done = max(self._others_done, settled)
+        elif s.server_done is not None and self._others_done is None:  # the first reading: where others stand
+            self._others_done = s.server_done - s.ours_done
+        self._others_last = None if s.server_done is None else s.server_done - s.ours_done
         self._last_preemptions = s.preemptions
         self._samples += 1
         self.peak_in_flight = max(self.peak_in_flight, s.in_flight)

@@ -205,3 +205,28 @@ def test_the_nightly_job_reuses_its_own_partitions_of_any_date_and_the_cli_can_s
     assert named.job.reuse.paths == ["s3://b/out/dt=*", "/x"] and named.job.reuse.lookback is None
     assert load_run_config(job, local, reuse=False).job.reuse.enabled is False
     assert load_run_config(KB, local).job.reuse.paths == []  # no reuse unless a job names it
+
+
+def test_the_server_backend_needs_its_server_and_keys_results_only_with_a_revision(tmp_path):
+    from pipeline.run.plan import engine_description, prepare_settings, result_keys, server_settings
+
+    server = REPO / "conf/local-server.yaml"
+    cfg = load_run_config(JOB, server)
+    assert cfg.profile.engine.backend == "server" and cfg.profile.engine.server.max_in_flight == 64
+    settings = server_settings("/models/tiny", cfg.profile.engine)
+    assert settings.url == "http://127.0.0.1:8000" and settings.tokenizer_path == "/models/tiny"
+    assert engine_description("/models/tiny", cfg.profile.engine, 0)["backend"] == "server"
+    fixed = server_settings("/m", load_run_config(JOB, server, ["engine.server.feedback=false"]).profile.engine)
+    assert fixed.start_in_flight == fixed.max_in_flight == 64 and not fixed.feedback
+    with pytest.raises(ConfigError, match="engine.backend: server needs engine.server"):
+        load_run_config(JOB, LOCAL, ["engine.backend=server"])
+    with pytest.raises(ConfigError, match="engine.server is set but engine.backend is 'vllm'"):
+        load_run_config(JOB, server, ["engine.backend=vllm"])
+    with pytest.raises(ConfigError, match="max_in_flight"):
+        load_run_config(JOB, server, ["engine.server.max_in_flight=0"])
+
+    off = result_keys(cfg, prepare_settings(cfg, str(tmp_path), 4096))
+    assert off["base"] is None and "engine.server.revision" in off["off"]
+    revised = load_run_config(JOB, server, ["engine.server.revision=img-2026-12"])
+    keyed = result_keys(revised, prepare_settings(revised, str(tmp_path), 4096))
+    assert keyed["model_digest"] == "server:tiny@img-2026-12" and keyed["base"] is not None

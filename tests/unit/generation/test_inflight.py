@@ -105,15 +105,20 @@ def test_preemptions_and_throttling_back_off(field, value, reason):
 
 
 def test_ours_caught_between_the_two_readings_are_not_taken_for_online_traffic():
-    """The server's finished count is read first, ours after: ours finished in between make
-    the difference dip, and its running maximum keeps the dip from reading as others'."""
+    """Ours are counted just after the server's count: one of ours that it has finished but
+    whose last chunk we have not read yet lifts others' count for one sample (a spike), and
+    one we read between the two readings lowers it (a dip). Neither reads as online traffic;
+    others' requests finished, which stay counted, do."""
     c = InFlightController(max_in_flight=64, ttft_slo_ms=10_000, start=8)
-    for server_done, ours_done in [(100, 100), (110, 113), (120, 120), (130, 130), (135, 137)]:
+    readings = [(100, 100), (110, 107), (120, 120), (130, 133), (140, 140), (145, 142), (150, 150)]
+    for server_done, ours_done in readings:
         c.observe(ServerSample(waiting=0, running=8, preemptions=0, in_flight=8, server_done=server_done,
                                ours_done=ours_done))
     assert c.backoffs == []
-    c.observe(ServerSample(waiting=0, running=8, preemptions=0, in_flight=8, server_done=141, ours_done=140))
-    assert c.backoffs[-1]["reasons"] == ["online"]
+    for server_done, ours_done in [(161, 158), (170, 167)]:  # 3 of someone else's
+        c.observe(ServerSample(waiting=0, running=8, preemptions=0, in_flight=8, server_done=server_done,
+                               ours_done=ours_done))
+    assert [b["reasons"] for b in c.backoffs] == [["online"]]
 
 
 def test_a_fixed_concurrency_never_moves_but_still_records():

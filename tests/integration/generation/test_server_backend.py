@@ -1,0 +1,147 @@
+"""`engine.backend: server` against a real vLLM server (CPU backend, the tiny model,
+`--scheduling-policy priority`) on 127.0.0.1, started by the fixture and stopped by its
+handle: the nightly job through the CLI beside an online load, then the server killed
+mid-run and the run resumed against it started again. Two server starts in all."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+
+from bench.online_load import OnlineLoad, kill_server, start_vllm_server, stop_server
+from tests.helpers import REPO
+from tests.helpers.runs import end_all, run_processes, start, wait_for
+from tests.helpers.servers import free_port
+
+JOB = REPO / "jobs/nightly_summarize.yaml"
+PROFILE = REPO / "conf/local-server.yaml"
+
+
+class Server:
+    """The module's vLLM server; `restart` starts it again on the same port."""
+
+    def __init__(self, model: Path, log: Path):
+        self.model, self.log, self.port = model, log, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = start_vllm_server(model, self.port, log)
+        self.starts = 1
+
+    def restart(self) -> None:
+        self.proc = start_vllm_server(self.model, self.port, self.log)
+        self.starts += 1
+
+    def metric(self, name: str) -> float:
+        """A vLLM metric's samples summed (0 when the server does not answer)."""
+        try:
+            text = httpx.get(f"{self.url}/metrics", timeout=5.0).text
+        except httpx.HTTPError:
+            return 0.0
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory) -> Iterator[Server]:
+    s = Server(tiny_model, tmp_path_factory.mktemp("server") / "vllm.log")
+    yield s
+    stop_server(s.proc)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("corpus") / "corpus.parquet"
+    subprocess.run([sys.executable, "-m", "pipeline", "dev", "sample-corpus", str(path), "--rows", "800",
+                    "--seed", "3"], check=True, capture_output=True, cwd=REPO)
+    return path
+
+
+def command(server: Server, corpus: Path, out: Path, *sets: str) -> list[str]:
+    args = [sys.executable, "-m", "pipeline", "run", str(JOB), "--profile", str(PROFILE), "--input", str(corpus),
+            "--output", str(out), "--set", f"engine.server.url={server.url}", "--set", "sampling.max_new_tokens=32"]
+    for s in sets:
+        args += ["--set", s]
+    return args
+
+
+def every_id_once(out: Path, corpus: Path) -> None:
+    written, read = pq.read_table(out), pq.read_table(corpus)
+    assert sorted(written.column("id").to_pylist()) == sorted(read.column("id").to_pylist())
+
+
+def test_the_job_runs_against_the_server_and_yields_to_its_online_load(server, corpus, tmp_path, ray_tmp):
+    out = tmp_path / "out"
+    proc, driver = start(command(server, corpus, out), ray_tmp, tmp_path / "run.log")
+    try:
+        # Once the job's requests run, an online client sends high-priority requests for a while.
+        wait_for("the job's requests on the server", lambda: server.metric("vllm:num_requests_running") > 0, proc)
+        time.sleep(3.0)
+        load = OnlineLoad(server.url, "tiny", rate=4.0, duration_s=5.0).start()
+        load.join(timeout=60)
+        proc.wait(timeout=300)
+    finally:
+        end_all([p for p in run_processes(driver, ray_tmp) if p.is_running()])
+    assert proc.returncode == 0, proc.log.read_text()[-3000:]
+    every_id_once(out, corpus)
+    written = pq.read_table(out)
+    assert pc.all(pc.equal(written.column("status"), "ok")).as_py()
+    assert written.column("summary").null_count == 0
+
+    report = json.loads((out / "_report.json").read_text())
+    assert report["engine"]["settings"]["backend"] == "server"
+    (actor,) = report["engine"]["actors"]
+    s = actor["server"]
+    assert s["prompt_as"] == "token_ids" and s["priority"] == 10 and s["notes"] == []
+    assert s["completed"] == 800 and s["row_errors"] == 0
+    assert all(r["error"] is None for r in load.results) and len(load.results) == 20
+
+    # The trajectory: the limit falls after the online load starts, and rises after it stops.
+    traj = s["in_flight"]
+    began, ended = load.started_at - traj["started_at"], load.ended_at - traj["started_at"]
+    steps = traj["steps"]
+    before = [x["limit"] for x in steps if x["t"] < began]
+    during = [x["limit"] for x in steps if began <= x["t"] <= ended + 0.5]
+    after = [x["limit"] for x in steps if x["t"] > ended + 0.5]
+    assert before and during and after, steps
+    assert min(during) < before[-1], (before, during)
+    assert max(after) > min(during), (during, after)
+    online = [b for b in traj["backoffs"] if "online" in b["reasons"]]
+    assert online and all(began - 1.0 <= b["t"] <= ended + 1.5 for b in online), (began, ended, traj["backoffs"])
+
+
+def test_a_killed_server_stops_the_run_resumable_and_resume_generates_no_row_twice(server, corpus, tmp_path,
+                                                                                   ray_tmp):
+    out = tmp_path / "out"
+    sets = ("engine.server.unavailable_s=5", "engine.max_restarts=1")
+    proc, driver = start(command(server, corpus, out, *sets), ray_tmp, tmp_path / "run.log")
+    try:
+        done_before = server.metric("vllm:request_success_total")
+        wait_for("a third of the rows generated",
+                 lambda: server.metric("vllm:request_success_total") - done_before > 300, proc)
+        kill_server(server.proc)
+        proc.wait(timeout=240)
+    finally:
+        end_all([p for p in run_processes(driver, ray_tmp) if p.is_running()])
+    log = proc.log.read_text()
+    assert proc.returncode == 1, log[-3000:]
+    assert f"the server at {server.url}" in log and "--resume" in log
+
+    server.restart()
+    result = subprocess.run(command(server, corpus, out, *sets) + ["--resume"], capture_output=True, text=True,
+                            cwd=REPO, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    every_id_once(out, corpus)
+    resume = json.loads((out / "_report.json").read_text())["resume"]
+    assert resume["rows_committed_before"] > 0
+    assert resume["rows_committed_before"] + resume["rows_generated"] == 800
+    # The restarted server generated only the rows not committed before: none twice.
+    assert server.metric("vllm:request_success_total") == resume["rows_generated"]
+    assert server.starts == 2
