@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -212,6 +213,20 @@ def reuse_line(reuse: dict[str, Any]) -> str:
             f"{reuse['engine_s_saved']:,.1f} s of engine time saved")
 
 
+def server_line(s: dict[str, Any]) -> str:
+    """One engine's live server: how prompts went, the requests in flight, the back-offs by
+    reason and our time to first token against its target."""
+    traj, ttft = s["in_flight"], s["ttft_ms"]
+    reasons = Counter(r for b in traj["backoffs"] for r in b["reasons"])
+    backoffs = ", ".join(f"{r} {n}" for r, n in reasons.most_common()) or "none"
+    prompts = "token ids" if s["prompt_as"] == "token_ids" else f"text ({s['prompt_as_why']})"
+    latency = (f"our time to first token p50 {ttft['p50']:,.0f} ms, p99 {ttft['p99']:,.0f} ms (target "
+               f"{ttft['slo']:,.0f})" if ttft["p50"] is not None else "no time to first token measured")
+    return (f"server {s['url']}: prompts as {prompts} · in flight up to {traj['peak_in_flight']} "
+            f"(cap {traj['max_in_flight']}) · back-offs: {backoffs} · {latency}"
+            + "".join(f" · {note}" for note in s["notes"]))
+
+
 def print_summary(report: dict[str, Any]) -> None:
     out = Console()
     out.print(summary_table(report))
@@ -227,6 +242,8 @@ def print_summary(report: dict[str, Any]) -> None:
             f"engine busy {report['engine_s']:.1f} s in {report['engine']['calls']} calls · "
             f"{report['engine_output_tokens_per_s']:,.1f} output tokens/s while generating"
         )
+    for server in report.get("engine", {}).get("server") or ():
+        out.print(server_line(server), soft_wrap=True)
     merged = report.get("batching", {}).get("merge_identical_prompts", {}).get("merged_rows")
     if merged:
         out.print(f"{merged:,} rows with another row's prompt: generated once, the result given to each")

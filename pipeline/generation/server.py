@@ -140,6 +140,7 @@ class ServerEngine:
         self.totals = ServerTotals()
         self.priority = settings.priority
         self.notes: list[str] = []
+        self._reported = (0, 0)  # the trajectory's steps and back-offs reported so far
         self._lock = threading.Lock()
         self._finished: list[tuple[str, Completion]] = []
         self._done = threading.Condition(self._lock)
@@ -502,18 +503,24 @@ class ServerEngine:
 
     def report(self) -> dict[str, Any]:
         """What the report shows of the server: how prompts went, the in-flight trajectory
-        and back-offs, retries, and our time to first token."""
+        and back-offs since the last report, retries, and our time to first token."""
         t = self.totals
         ttft = sorted(t.ttft_ms)
 
         def pct(q: float) -> float | None:
             return ttft[min(len(ttft) - 1, int(q * len(ttft)))] if ttft else None
 
+        traj = self.controller.trajectory()
+        # Each report carries the steps and back-offs since the last (a call's actor totals
+        # carry it, and calls are many): the run's report joins them (`actor_summaries`).
+        seen_steps, seen_backoffs = self._reported
+        self._reported = (len(traj["steps"]), len(traj["backoffs"]))
+        traj["steps"], traj["backoffs"] = traj["steps"][seen_steps:], traj["backoffs"][seen_backoffs:]
         return {"url": self.settings.base, "model": self.settings.model, "prompt_as": self.prompt_as,
                 "prompt_as_why": self.probe.get("why"), "priority": self.priority, "notes": list(self.notes),
                 "sent": t.sent, "completed": t.completed, "row_errors": t.row_errors, "retries": dict(t.retries),
                 "ttft_ms": {"p50": pct(0.5), "p99": pct(0.99), "slo": self.settings.ttft_slo_ms},
-                "in_flight": self.controller.trajectory()}
+                "in_flight": traj}
 
     def close(self) -> None:
         async def shut() -> None:

@@ -75,16 +75,24 @@ def actor_summaries(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
     latest: dict[str, dict[str, Any]] = {}
     steps: dict[str, list[dict[str, Any]]] = {}  # debug.step_timeline: each call carries the steps since the last
+    served: dict[str, dict[str, list[dict[str, Any]]]] = {}  # a live server's in-flight steps and back-offs: as well
     for c in calls:
         a = c.get("actor")
         if a and "step_timeline" in a:
             steps.setdefault(a["actor"], []).append(a["step_timeline"])
+        if a and a.get("server"):
+            mine = served.setdefault(a["actor"], {"steps": [], "backoffs": []})
+            for key in mine:
+                mine[key].extend(a["server"]["in_flight"][key])
         if a and (a["actor"] not in latest or progress(a) >= progress(latest[a["actor"]])):
             latest[a["actor"]] = dict(a)
     actors = list(latest.values())
     for a in actors:
         if a["actor"] in steps:
             a["step_timeline"] = joined(steps[a["actor"]])
+        if a["actor"] in served:
+            a["server"] = {**a["server"], "in_flight": {**a["server"]["in_flight"], **{
+                key: sorted(found, key=lambda x: x["t"]) for key, found in served[a["actor"]].items()}}}
     pool_end = max((a.get("last_end_at") or 0.0 for a in actors), default=0.0)
     for a in actors:
         if a.get("ready_at") is not None and pool_end:
@@ -310,6 +318,7 @@ def build_report(ctx: RunContext, engine_settings: dict[str, Any]) -> RunReport:
         batching=batching_section(ctx, calls, actors),
         engine={"settings": engine_settings, "engines": engines, "actors": actors, "calls": len(calls),
                 "prefix_cache": prefix_cache(actors), "cpus": ctx.engine_cpus,
+                "server": [a["server"] for a in actors if a.get("server")] or None,
                 "pool": pool_summary(calls, actors, {b: sum(c.values()) for b, c in
                                                      written["prompt_tokens_by_bucket"].items()})},
         engine_calls=[{k: v for k, v in c.items() if k not in ("trajectory", "backoffs", "actor")}
@@ -362,6 +371,13 @@ def reuse_section(ctx: RunContext, written: dict[str, Any], actors: list[dict[st
         # their cost when made: what a later night that reuses these rows counts as saved.
         "engine_s_per_token": (round((engine_s + saved) / (generated + tokens), 9) if generated + tokens else None),
     }
+
+
+def servers(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each engine's record of the live server it sent rows to (`engine.backend: server`):
+    how prompts went, its in-flight trajectory and back-offs, retries, our time to first
+    token. [] for engines of our own."""
+    return [a["server"] for a in actor_summaries(calls) if a.get("server")]
 
 
 def prefix_cache(actors: list[dict[str, Any]]) -> dict[str, Any] | None:

@@ -1,4 +1,5 @@
-"""The batch-size trajectory plot written beside the report."""
+"""The batch-size trajectory plot written beside the report (for a live server: the
+requests in flight, the server's queue and our time to first token)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ from typing import Any
 
 def plot_trajectories(report: dict[str, Any]) -> bytes | None:
     """Budget (rows in flight) and memory pressure over time, one line per bucket,
-    as PNG bytes; None when the run has no trajectory to show."""
+    as PNG bytes; None when the run has no trajectory to show. A run on a live server
+    (`report["server"]`: each engine's server record) gets `plot_server` instead."""
+    if report.get("server"):
+        return plot_server(report)
     per_bucket = report["batching"]["per_bucket"]
     if not any(b["trajectory"] for b in per_bucket.values()):
         return None
@@ -49,6 +53,56 @@ def plot_trajectories(report: dict[str, Any]) -> bytes | None:
     for ax in (rows_ax, p_ax):
         ax.grid(alpha=0.3)
         ax.legend(loc="best", fontsize=8, ncol=2)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+REASON_COLOURS = {"online": "tab:red", "queue": "tab:orange", "preempted": "tab:purple", "ttft": "tab:brown",
+                  "throttled": "tab:gray"}
+
+
+def plot_server(report: dict[str, Any]) -> bytes | None:
+    """For each engine on a live server: the in-flight limit and ours in flight, the
+    server's queue (running, waiting, and others' requests), and our time to first token
+    against its target, over time; back-offs as vertical lines coloured by reason."""
+    servers = [s for s in report["server"] if s["in_flight"]["steps"]]
+    if not servers:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (n_ax, q_ax, t_ax) = plt.subplots(3, 1, figsize=(10, 9), sharex=True)
+    for k, s in enumerate(servers):
+        traj = s["in_flight"]
+        steps = traj["steps"]
+        t = [x["t"] for x in steps]
+        tag = f" ({k})" if len(servers) > 1 else ""
+        n_ax.step(t, [x["limit"] for x in steps], where="post", label="limit" + tag)
+        n_ax.plot(t, [x["in_flight"] for x in steps], ".", label="ours in flight" + tag)
+        q_ax.plot(t, [x["running"] for x in steps], label="running" + tag)
+        q_ax.plot(t, [x["waiting"] for x in steps], label="waiting" + tag)
+        q_ax.plot(t, [x["foreign"] for x in steps], label="others'" + tag)
+        ttft = [(x["t"], x["ttft_ms"]) for x in steps if x.get("ttft_ms") is not None]
+        t_ax.plot([a for a, _ in ttft], [b for _, b in ttft], ".-", label="ours, highest per sample" + tag)
+        for back in traj["backoffs"]:
+            colour = REASON_COLOURS.get(back["reasons"][0], "black")
+            for ax in (n_ax, q_ax, t_ax):
+                ax.axvline(back["t"], color=colour, linestyle=":", alpha=0.5)
+    t_ax.axhline(servers[0]["ttft_ms"]["slo"], color="black", linestyle="--", linewidth=1, label="target")
+    n_ax.set_ylabel("requests in flight")
+    n_ax.set_title(f"{report['job']} on {servers[0]['url']} · run {report['run_id']}  (dotted: back-offs; "
+                   + ", ".join(f"{c.split(':')[1]} {r}" for r, c in REASON_COLOURS.items()) + ")", fontsize=9)
+    q_ax.set_ylabel("the server's requests")
+    t_ax.set_ylabel("time to first token, ms")
+    t_ax.set_xlabel("seconds since the engine started")
+    for ax in (n_ax, q_ax, t_ax):
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best", fontsize=8, ncol=3)
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)

@@ -51,7 +51,7 @@ from pipeline.run.affinity import EngineCpuGuard
 from pipeline.run.pool import EnginePool, end_engine_processes, runtime_env
 from pipeline.observe.progress import progress_for
 from pipeline.observe.report import (RunContext, RunReport, actor_summaries, batching_section, build_report,
-                                     engine_calls, write_beside, write_report)
+                                     engine_calls, servers, write_beside, write_report)
 from pipeline.observe.report_plot import plot_trajectories
 from pipeline.reuse.index import REUSED_FROM, ReuseIndex, keyed_look_up, result_columns
 from pipeline.reuse.sources import EarlierOutput, comparable, find_earlier
@@ -629,7 +629,7 @@ def finish(ctx: RunContext, target: OutputTarget) -> RunReport:
 
     def draw() -> bool:
         png = plot_trajectories({"job": config.job.name, "run_id": ctx.run_id,
-                                 "batching": batching_section(ctx, calls)})
+                                 "batching": batching_section(ctx, calls), "server": servers(calls)})
         if png:
             write_beside(target.fs, target.staging.data, PLOT_NAME, png)
         return png is not None

@@ -151,3 +151,16 @@ def test_the_summary_says_what_reuse_gave_or_why_nothing():
     assert reuse_line(none) == "reused: none (no earlier output to take from)"
     off = none | {"notes": ["reuse is off: sampling with a temperature and no seed: every result is its own"]}
     assert reuse_line(off).startswith("reused: none (reuse is off: sampling")
+
+
+def test_the_summary_says_how_the_job_used_a_live_server():
+    from pipeline.cli import server_line
+
+    s = {"url": "http://10.0.0.5:8000", "prompt_as": "text", "prompt_as_why": "the server has no /tokenize",
+         "notes": ["the server does not schedule by priority"], "ttft_ms": {"p50": 120.0, "p99": 2400.0, "slo": 2000.0},
+         "in_flight": {"peak_in_flight": 48, "max_in_flight": 64,
+                       "backoffs": [{"reasons": ["online"]}, {"reasons": ["online", "ttft"]}]}}
+    line = server_line(s)
+    assert "prompts as text (the server has no /tokenize)" in line and "in flight up to 48 (cap 64)" in line
+    assert "back-offs: online 2, ttft 1" in line and "p99 2,400 ms (target 2,000)" in line
+    assert line.endswith("the server does not schedule by priority")

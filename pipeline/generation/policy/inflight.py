@@ -150,13 +150,13 @@ class InFlightController:
             else:
                 grown = self.limit + max(1, self.limit // 8)
             self.limit = min(self.max_in_flight, grown)
-        if self.limit != before or self._samples % 20 == 1 or why:
+        if self.limit != before or self._samples % 4 == 1 or why:
             self.steps.append({"t": t, "limit": self.limit, **{k: v for k, v in asdict(s).items() if v is not None},
                                "foreign": s.foreign, **({"reasons": why} if why else {})})
         return self.limit
 
     def trajectory(self) -> dict[str, Any]:
-        """The limit over time (each change, each back-off's sample, and every 20th sample),
+        """The limit over time (each change, each sample with a reason, and every 4th sample),
         the back-offs with their reasons, and where it stands."""
         return {"started_at": round(self.started_at, 3), "limit": self.limit, "threshold": self.threshold,
                 "max_in_flight": self.max_in_flight, "ttft_slo_ms": self.ttft_slo_ms,

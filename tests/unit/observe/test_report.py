@@ -42,3 +42,31 @@ def test_the_prefix_cache_is_summed_over_the_engines_that_report_one():
     both = [{"prefix_cache": {"queries": 1000, "hits": 256}}, {"prefix_cache": {"queries": 3000, "hits": 0}}]
     assert prefix_cache(both) == {"queries": 4000, "hits": 256, "hit_rate": 0.064}
     assert prefix_cache([{"prefix_cache": {"queries": 0, "hits": 0}}])["hit_rate"] is None
+
+
+def test_a_live_servers_trajectory_is_joined_from_the_calls_and_plotted():
+    """Each call carries the server's in-flight steps and back-offs since the last; the report
+    joins them per engine, in time order, and the plot draws them."""
+    from pipeline.observe.report import servers
+    from pipeline.observe.report_plot import plot_trajectories
+    from tests.helpers import drawn
+
+    def server(steps, backoffs):
+        return {"url": "http://127.0.0.1:8000", "ttft_ms": {"p50": 90.0, "p99": 300.0, "slo": 2000.0},
+                "in_flight": {"started_at": 1000.0, "limit": 8, "max_in_flight": 64, "peak_in_flight": 32,
+                              "steps": steps, "backoffs": backoffs}}
+
+    def step(t, limit, reasons=None):
+        return {"t": t, "limit": limit, "in_flight": limit, "running": limit, "waiting": 0, "foreign": 0,
+                "ttft_ms": 100.0, **({"reasons": reasons} if reasons else {})}
+
+    a1 = {**actor("a", 1, 100, 5.0, 1000.0, 1005.0), "server": server([step(0.5, 4), step(1.0, 6)], [])}
+    a2 = {**actor("a", 2, 150, 8.0, 1000.0, 1009.0),
+          "server": server([step(1.5, 3, ["online"]), step(2.0, 4)], [{"t": 1.5, "from": 6, "to": 3,
+                                                                       "reasons": ["online"]}])}
+    calls = [call("a", "le256", 100, a1), call("a", "le512", 50, a2)]
+    (joined,) = servers(calls)
+    assert [s["t"] for s in joined["in_flight"]["steps"]] == [0.5, 1.0, 1.5, 2.0]
+    assert [b["reasons"] for b in joined["in_flight"]["backoffs"]] == [["online"]]
+    width, height, ink = drawn(plot_trajectories({"job": "j", "run_id": "r", "batching": {}, "server": [joined]}))
+    assert height > 0 and ink > 0.03
