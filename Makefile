@@ -28,7 +28,7 @@ PROFILE ?= conf/local-real.yaml
 # there); 8 of the 24 documents pass it and come out truncated, flagged.
 RUN_SETS ?= --set sampling.max_new_tokens=64 --set engine.max_model_len=1024
 
-.PHONY: setup run run-tiny test test-tools bench bench-real bench-repeated bench-timeline bench-batching bench-merge bench-nightly bench-reuse-lookup bench-scale bench-resume bench-s3 bench-metrics bench-transformers gpu-check clean
+.PHONY: setup run run-tiny test test-tools bench bench-real bench-repeated bench-timeline bench-batching bench-merge bench-nightly bench-reuse-lookup bench-scale bench-resume bench-s3 bench-metrics bench-transformers bench-server gpu-check clean
 
 setup: $(STAMP)
 
@@ -143,3 +143,9 @@ gpu-check:
 
 clean:
 	rm -rf out data .cache
+
+# The job on a live vLLM server beside a light online load: online P99 time to first token
+# and the job's throughput, at a fixed concurrency and under the feedback policy
+# (bench/server_load.py; results in bench/results/server_load.*).
+bench-server: $(STAMP)
+	$(BIN)/python -m bench.server_load

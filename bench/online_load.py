@@ -34,6 +34,14 @@ def cpu_dtype() -> str:
     return "bfloat16" if any(f in cpu_flags() for f in NATIVE_BF16) else "float32"
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def start_vllm_server(model: Path | str, port: int, log: Path, served_name: str = "tiny", max_num_seqs: int = 64,
                       max_model_len: int = 4096, kv_cache_gib: int = 1, timeout_s: float = 300.0) -> subprocess.Popen:
     """vLLM's OpenAI-compatible server on 127.0.0.1:`port`, with `--scheduling-policy
@@ -92,8 +100,9 @@ def kill_server(proc: subprocess.Popen) -> None:
 
 @dataclass
 class OnlineLoad:
-    """Online requests at `rate` per second for `duration_s` (at most `max_requests`), each
-    streamed at `priority` (0: before the job's), its time to first token recorded."""
+    """Online requests at `rate` per second for `duration_s` (at most `max_requests`, or
+    until `stop`), each streamed at `priority` (0: before the job's), its time to first
+    token recorded."""
 
     url: str
     model: str
@@ -107,6 +116,7 @@ class OnlineLoad:
     started_at: float | None = None  # time.time() of the first request
     ended_at: float | None = None  # time.time() when the last request finished
     _thread: threading.Thread | None = None
+    _stop: threading.Event = field(default_factory=threading.Event)
 
     def __post_init__(self) -> None:
         host = urlparse(self.url).hostname
@@ -117,6 +127,10 @@ class OnlineLoad:
         self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), name="online-load", daemon=True)
         self._thread.start()
         return self
+
+    def stop(self) -> None:
+        """Send no more requests (those sent finish)."""
+        self._stop.set()
 
     def join(self, timeout: float | None = None) -> None:
         assert self._thread is not None
@@ -132,6 +146,8 @@ class OnlineLoad:
             tasks = []
             for i in range(n):
                 await asyncio.sleep(max(0.0, t0 + i / self.rate - time.monotonic()))
+                if self._stop.is_set():
+                    break
                 tasks.append(asyncio.ensure_future(self._one(client, t0)))
             await asyncio.gather(*tasks)
         self.ended_at = time.time()

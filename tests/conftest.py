@@ -92,6 +92,7 @@ LONGEST_FIRST = (
     "tests/integration/run/test_cluster.py",  # 305 s (a node's death, two jobs at once)
     *SHARED_RUN_MODULES,  # 260 s
     "tests/integration/tools/test_tune.py",  # 180 s
+    "tests/integration/generation/test_server_backend.py",  # 165 s alone (two vLLM server starts, three runs)
     "tests/integration/run/test_faults.py",  # 110 s (a full disk, a stalled store)
     "tests/integration/run/test_real_model.py",  # 145 s
     "tests/bench/test_systems.py",  # 140 s

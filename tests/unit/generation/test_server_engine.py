@@ -243,3 +243,21 @@ vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
 """
     assert parse_metrics(text) == {"waiting": 3.0, "running": 5.0, "preemptions": 4.0, "done": 13.0,
                                    "kv_cache": 0.25}
+
+
+def test_the_live_metrics_carry_the_limit_the_queue_and_the_backoffs():
+    server = FakeServer(metrics='# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{engine="0"} 2.0\n')
+    e = engine(server, start_in_flight=6)
+    try:
+        run(e, [[1, 2]])
+        time.sleep(0.2)
+        e.controller.backoffs.append({"t": 0.0, "from": 6, "to": 3, "reasons": ["online", "ttft"]})
+        families = {f["name"]: f for f in e.metric_families()}
+        value = {name: f["samples"][0][2] for name, f in families.items() if f["type"] == "gauge"}
+        assert value["pipeline_server_in_flight_limit"] == e.controller.limit
+        assert value["pipeline_server_requests_waiting"] == 2.0 and value["pipeline_server_ttft_slo_ms"] == 2000.0
+        backoffs = families["pipeline_server_backoffs"]["samples"]
+        want = Counter(r for b in e.controller.backoffs for r in b["reasons"])  # 2 waiting: others' (online)
+        assert {labels["reason"]: n for _, labels, n in backoffs} == want and want["ttft"] == 1
+    finally:
+        e.close()

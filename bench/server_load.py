@@ -1,0 +1,216 @@
+"""The job on a live vLLM server beside a light online load: does it yield?
+
+One vLLM server (CPU backend, the tiny model, `--scheduling-policy priority`) on
+loopback. An online client sends high-priority requests at `--rate` per second. Four
+measurements, in this order, on the same server:
+1. the online load alone: its P50 and P99 time to first token;
+2. the job alone on the idle server (the feedback policy): its output tokens/s while
+   generating;
+3. the job at a fixed full concurrency (`engine.server.feedback: false`, 64 in flight,
+   as Ray Data LLM's HTTP processor runs) with the online load throughout;
+4. the job under the feedback policy with the online load throughout.
+For 3 and 4: the online requests' TTFT while the job generated, and the job's
+throughput. Goals (issue 29): under feedback the online P99 within 1.2x of alone, and
+the job at least half its throughput alone.
+
+    .venv/bin/python -m bench.server_load [--rows 600] [--rate 2] [--alone-s 30]
+
+Results go to bench/results/server_load.{md,json,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.compare import git_commit
+from bench.online_load import OnlineLoad, free_port, start_vllm_server, stop_server
+from pipeline.observe.machine import describe
+
+REPO = Path(__file__).resolve().parents[1]
+GOAL_TTFT_RATIO, GOAL_THROUGHPUT_SHARE = 1.2, 0.5
+
+
+def metric(url: str, name: str) -> float:
+    import httpx
+
+    text = httpx.get(f"{url}/metrics", timeout=5.0).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def job(url: str, corpus: Path, out: Path, feedback: bool, rate: float | None, max_tokens: int) -> dict[str, Any]:
+    """One run of the job through the CLI, with the online load at `rate` while it generates."""
+    cmd = [sys.executable, "-m", "pipeline", "run", "jobs/nightly_summarize.yaml", "--profile", "conf/local-server.yaml",
+           "--input", str(corpus), "--output", str(out), "--set", f"engine.server.url={url}",
+           "--set", f"sampling.max_new_tokens={max_tokens}", "--set", f"engine.server.feedback={str(feedback).lower()}"]
+    log = out.with_suffix(".log")
+    with log.open("w") as f:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
+    load = None
+    if rate:
+        while metric(url, "vllm:num_requests_running") == 0 and proc.poll() is None:
+            time.sleep(0.2)
+        load = OnlineLoad(url, "tiny", rate=rate, duration_s=3600, max_requests=100_000).start()
+    proc.wait()
+    if load is not None:
+        load.stop()
+        load.join(timeout=120)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the job failed ({proc.returncode}):\n{log.read_text()[-3000:]}")
+    report = json.loads((out / "_report.json").read_text())
+    (server,) = report["engine"]["server"]
+    traj = server["in_flight"]
+    out_doc: dict[str, Any] = {
+        "feedback": feedback, "wall_s": report["wall_s"], "rows": report["rows_out"],
+        "output_tokens": report["tokens"]["output"], "engine_s": report["engine_s"],
+        "output_tokens_per_s_generating": report["engine_output_tokens_per_s"],
+        "peak_in_flight": traj["peak_in_flight"], "backoffs": len(traj["backoffs"]),
+        "backoff_reasons": sorted({r for b in traj["backoffs"] for r in b["reasons"]}),
+        "job_ttft_ms": server["ttft_ms"],
+        "trajectory": [{"t": round(traj["started_at"] + s["t"], 3), "limit": s["limit"], "in_flight": s["in_flight"]}
+                       for s in traj["steps"]],
+    }
+    if load is not None:
+        out_doc["online"] = online_summary(load)
+    return out_doc
+
+
+def online_summary(load: OnlineLoad) -> dict[str, Any]:
+    assert load.started_at is not None
+    return {"requests": len(load.results), "errors": sum(1 for r in load.results if r["error"]),
+            "ttft_p50_s": load.ttft_percentile(0.5), "ttft_p99_s": load.ttft_percentile(0.99),
+            "points": [{"t": round(load.started_at + r["t"], 3), "ttft_s": r["ttft_s"]} for r in load.results]}
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = [("fixed", "fixed 64 in flight"), ("feedback", "feedback policy")]
+    fig, axes = plt.subplots(2, 2, figsize=(12, 7), sharey="row")
+    alone_p99 = results["online_alone"]["ttft_p99_s"] * 1000
+    for col, (key, title) in enumerate(cases):
+        r = results[key]
+        t0 = min(p["t"] for p in r["online"]["points"] + r["trajectory"])
+        n_ax, l_ax = axes[0][col], axes[1][col]
+        n_ax.step([s["t"] - t0 for s in r["trajectory"]], [s["limit"] for s in r["trajectory"]], where="post",
+                  label="limit")
+        n_ax.plot([s["t"] - t0 for s in r["trajectory"]], [s["in_flight"] for s in r["trajectory"]], ".",
+                  label="ours in flight")
+        n_ax.set_title(f"{title}: {r['output_tokens_per_s_generating']:,.0f} output tok/s, online P99 "
+                       f"{r['online']['ttft_p99_s'] * 1000:,.0f} ms", fontsize=10)
+        pts = [p for p in r["online"]["points"] if p["ttft_s"] is not None]
+        l_ax.plot([p["t"] - t0 for p in pts], [p["ttft_s"] * 1000 for p in pts], ".", markersize=4,
+                  label="online request")
+        l_ax.axhline(alone_p99, color="black", linestyle="--", linewidth=1, label=f"P99 alone {alone_p99:.0f} ms")
+        l_ax.axhline(alone_p99 * GOAL_TTFT_RATIO, color="tab:red", linestyle=":", linewidth=1, label="goal: 1.2x")
+        l_ax.set_xlabel("seconds since the job's first request")
+        for ax in (n_ax, l_ax):
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+    axes[0][0].set_ylabel("job requests in flight")
+    axes[1][0].set_ylabel("online time to first token, ms")
+    axes[1][0].set_yscale("log")
+    fig.suptitle(f"A job beside {results['rate']:g} online requests/s on one vLLM CPU server "
+                 f"({results['machine']['cpu']}, {results['machine']['cores']} cores)", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def markdown(results: dict[str, Any]) -> str:
+    alone, solo = results["online_alone"], results["job_alone"]
+    m = results["machine"]
+    flags = ", ".join(f for f in m["cpu_flags"] if f.startswith(("avx", "amx")))
+    lines = [
+        "# The job on a live server beside online traffic (`make bench-server`)",
+        "",
+        f"Commit {results['commit']}, {results['date']}. Machine: {m['cpu']}, {m['cores']} cores, "
+        f"{m['memory_gib']} GiB; CPU flags {flags}. One vLLM server (CPU backend, the tiny model, "
+        f"`--scheduling-policy priority`, 64 sequences) shares the 2 cores with the job's driver. "
+        f"{results['rows']} rows, {results['max_tokens']} new tokens each; online: {results['rate']:g} requests/s, "
+        f"priority 0, 8 new tokens, streamed. One run of each case, in the order below.",
+        "",
+        "| case | online TTFT P50 | online TTFT P99 | P99 ÷ alone | job output tok/s while generating | "
+        "÷ job alone | job wall | peak in flight | back-offs |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        f"| online alone | {alone['ttft_p50_s'] * 1000:.0f} ms | {alone['ttft_p99_s'] * 1000:.0f} ms | 1.00 | | | | | |",
+        f"| job alone (feedback) | | | | {solo['output_tokens_per_s_generating']:,.0f} | 1.00 | {solo['wall_s']:.1f} s "
+        f"| {solo['peak_in_flight']} | {solo['backoffs']} |",
+    ]
+    for key, name in (("fixed", "job at 64 in flight + online"), ("feedback", "job under feedback + online")):
+        r = results[key]
+        o = r["online"]
+        lines.append(
+            f"| {name} | {o['ttft_p50_s'] * 1000:.0f} ms | {o['ttft_p99_s'] * 1000:.0f} ms | "
+            f"{o['ttft_p99_s'] / alone['ttft_p99_s']:.2f} | {r['output_tokens_per_s_generating']:,.0f} | "
+            f"{r['output_tokens_per_s_generating'] / solo['output_tokens_per_s_generating']:.2f} | {r['wall_s']:.1f} s | "
+            f"{r['peak_in_flight']} | {r['backoffs']} ({', '.join(r['backoff_reasons']) or 'none'}) |")
+    fb = results["feedback"]
+    ratio = fb["online"]["ttft_p99_s"] / alone["ttft_p99_s"]
+    share = fb["output_tokens_per_s_generating"] / solo["output_tokens_per_s_generating"]
+    lines += [
+        "",
+        f"Goals under feedback: online P99 within {GOAL_TTFT_RATIO}x of alone: **{ratio:.2f}x, "
+        f"{'met' if ratio <= GOAL_TTFT_RATIO else 'missed'}**; at least {GOAL_THROUGHPUT_SHARE:.0%} of the job's "
+        f"throughput alone: **{share:.2f}, {'met' if share >= GOAL_THROUGHPUT_SHARE else 'missed'}**.",
+        "",
+        "![in flight and online latency](server_load.png)",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=600)
+    parser.add_argument("--rate", type=float, default=2.0)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--alone-s", type=float, default=30.0)
+    parser.add_argument("--out", default=str(REPO / "bench/results/server_load"))
+    args = parser.parse_args()
+
+    from pipeline.models.tiny import cached_tiny_model, ensure_tiny_model
+    from pipeline.tools.dev.corpus import make_corpus
+    import pyarrow.parquet as pq
+
+    model = ensure_tiny_model(cached_tiny_model("tiny"), seed=0)
+    results: dict[str, Any] = {"commit": git_commit(), "date": time.strftime("%Y-%m-%d"), "machine": describe(),
+                               "rows": args.rows, "rate": args.rate, "max_tokens": args.max_tokens}
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus = Path(tmp) / "corpus.parquet"
+        pq.write_table(make_corpus(args.rows, seed=5), corpus)
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        server = start_vllm_server(model, port, Path(tmp) / "server.log")
+        try:
+            warm = OnlineLoad(url, "tiny", rate=args.rate, duration_s=5).start()
+            warm.join()
+            alone = OnlineLoad(url, "tiny", rate=args.rate, duration_s=args.alone_s).start()
+            alone.join()
+            results["online_alone"] = online_summary(alone)
+            print("online alone:", {k: v for k, v in results["online_alone"].items() if k != "points"}, flush=True)
+            for key, feedback, rate in (("job_alone", True, None), ("fixed", False, args.rate),
+                                        ("feedback", True, args.rate)):
+                results[key] = job(url, corpus, Path(tmp) / key, feedback, rate, args.max_tokens)
+                print(key, {k: v for k, v in results[key].items() if k not in ("trajectory", "online")},
+                      {k: v for k, v in results[key].get("online", {}).items() if k != "points"}, flush=True)
+        finally:
+            stop_server(server)
+    out = Path(args.out)
+    out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
+    plot(results, out.with_suffix(".png"))
+    out.with_suffix(".md").write_text(markdown(results))
+    print(markdown(results))
+
+
+if __name__ == "__main__":
+    main()
