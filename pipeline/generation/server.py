@@ -258,6 +258,8 @@ class ServerEngine:
         """Read the server's /metrics every interval and let the controller set the limit."""
         while True:
             await asyncio.sleep(self.settings.metrics_interval_s)
+            with self._lock:
+                ours_before = self.totals.completed + self.totals.aborted
             try:
                 r = await self._http.get("/metrics", timeout=5.0)
                 g = parse_metrics(r.text) if r.status_code == 200 else {}
@@ -284,7 +286,8 @@ class ServerEngine:
                 preemptions=int(g.get("preemptions", 0)), in_flight=in_flight,
                 ttft_ms=round(max(ttfts), 1) if ttfts else None, throttled=throttled,
                 kv_cache=g.get("kv_cache"), server_ttft_ms=server_ttft, finished=finished,
-                server_done=int(g["done"]) if "done" in g else None, ours_done=ours_done))
+                server_done=int(g["done"]) if "done" in g else None, ours_done_before=ours_before,
+                ours_done=ours_done))
             if self.controller.limit > before:
                 self._poke()
 

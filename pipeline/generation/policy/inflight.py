@@ -7,18 +7,21 @@ the limit that the server engine (`pipeline.generation.server`) dispatches up to
 
 The rule, per sample:
 - Back off, halving the limit (not below `floor`), for any of these reasons:
-  - `online`: the server serves requests that are not ours. Either it has finished more
-    than ours: others' = `server_done` - `ours_done`, settled over two samples (the lower
-    of the two: one of ours finished at the server but not yet read by us lifts a single
-    sample), rose past its highest so far. Or it runs or queues more than ours in flight
-    and finished since the last sample (its gauges are as of its last step, so this
-    undercounts rather than mistake our requests for others').
+  - `online`: the server serves requests that are not ours. Either it has surely
+    finished some: ours are counted just before its count is asked for and just after
+    (when the streams have caught up), which brackets what it counted of ours, so
+    others' finished requests are known to lie in [least, most]; when the least now
+    passes the most of a sample up to OTHERS_WINDOW back, others finished requests in
+    between. Or its gauges show more running and waiting than ours in flight and
+    finished since the last sample, in two samples in a row (its gauges are as of its
+    last step, so this too undercounts rather than mistake ours for others').
   - `queue`: requests waited in two samples in a row (the server is full).
   - `preempted`: the server's preemption count rose.
   - `ttft`: our requests' time to first token passed `ttft_slo_ms`.
   - `throttled`: the server answered 429 or 503.
-  At most one back-off per `hold` + 1 samples: a reason that lasts halves the limit
-  again every `hold` + 1 samples, down to `floor`.
+  At most one back-off per `hold` + 1 samples for the server's capacity; a reason that
+  lasts halves the limit again every `hold` + 1 samples, down to `floor`. Online traffic
+  halves it at every sample it is seen in (it is the server's users, not our load).
 - Grow when no reason has been seen for `hold` samples in a row, nothing waits, and our
   requests filled the limit (a limit we did not use says nothing about whether the
   server could take more): by half again up to the threshold, by an eighth (at least
@@ -27,19 +30,23 @@ The rule, per sample:
   instead of jumping past it (TCP's slow-start threshold); one for online traffic leaves
   it, so the job climbs back quickly once the online load has gone.
 
-Oscillation bound. Under steady conditions where a capacity reason fires once the limit
-reaches some level L, after its first back-off the limit stays within
-[L/2, L + max(1, L/8)] and backs off at most once every `hold` + 1 samples: a back-off
-halves a limit of at least L (at most 1.5 L on the first climb), and growth nears L from
-below in steps of at most an eighth and stops while anything waits. Tested against a
-simulated server in tests/unit/generation/test_inflight.py.
+Oscillation bound (capacity reasons; online back-offs follow the online load). Under
+steady conditions where a capacity reason fires once the limit reaches some level L,
+after its first back-off the limit stays within [L/2, L + max(1, L/8)] and backs off at
+most once every `hold` + 1 samples: a back-off halves a limit of at least L (at most
+1.5 L on the first climb), and growth nears L from below in steps of at most an eighth
+and stops while anything waits. Tested against a simulated server in
+tests/unit/generation/test_inflight.py.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+OTHERS_WINDOW = 4  # samples: others' finished requests are compared with the count this many samples back
 
 
 @dataclass(frozen=True)
@@ -56,7 +63,18 @@ class ServerSample:
     server_ttft_ms: float | None = None  # the server's mean time to first token since the last sample (all clients)
     finished: int = 0  # ours that finished since the last sample (the server's gauges may still count them)
     server_done: int | None = None  # requests the server has finished so far, all clients' (a counter)
-    ours_done: int = 0  # ours it has finished so far, counted after reading `server_done`
+    # Ours finished so far, counted just before the server's count was asked for and just
+    # after it came back (the streams given a moment to catch up): between the two lies
+    # what the server counted of ours.
+    ours_done_before: int = 0
+    ours_done: int = 0
+
+    @property
+    def others_done(self) -> tuple[int, int] | None:
+        """Others' finished requests, (at least, at most); None without the server's count."""
+        if self.server_done is None:
+            return None
+        return self.server_done - self.ours_done, self.server_done - self.ours_done_before
 
     @property
     def foreign(self) -> int:
@@ -80,8 +98,8 @@ class InFlightController:
     _clear: int = field(init=False, default=0)  # samples in a row with no reason to back off
     _last_preemptions: int | None = field(init=False, default=None)
     _queued_before: bool = field(init=False, default=False)
-    _others_last: int | None = field(init=False, default=None)  # server_done - ours_done at the last sample
-    _others_done: int | None = field(init=False, default=None)  # the highest settled value of it so far
+    _others_at_most: deque[int] = field(init=False, default_factory=lambda: deque(maxlen=OTHERS_WINDOW))
+    _foreign_before: bool = field(init=False, default=False)
     threshold: int | None = field(init=False, default=None)  # growth is by an eighth from here on
     _samples: int = field(init=False, default=0)
     _t0: float = field(init=False, default_factory=time.monotonic)
@@ -94,17 +112,18 @@ class InFlightController:
         self.floor = max(1, min(self.floor, self.max_in_flight))
         self.limit = max(self.floor, min(self.start, self.max_in_flight))
 
-    def _settled(self, s: ServerSample) -> int | None:
-        """Others' finished requests, the lower of this sample's count and the last one's."""
-        if s.server_done is None or self._others_last is None:
-            return None
-        return min(s.server_done - s.ours_done, self._others_last)
+    def online(self, s: ServerSample) -> bool:
+        """Others' requests are on the server: it finished more of them than it had, for
+        sure, within the last OTHERS_WINDOW samples (at least as many now as at most then),
+        or its gauges showed more requests than ours in two samples in a row."""
+        done = s.others_done
+        finished = done is not None and bool(self._others_at_most) and done[0] > min(self._others_at_most)
+        return finished or (s.foreign > 0 and self._foreign_before)
 
     def reasons(self, s: ServerSample) -> list[str]:
         """Why `s` calls for a back-off ([] if it does not)."""
         why = []
-        settled = self._settled(s)
-        if s.foreign > 0 or (settled is not None and self._others_done is not None and settled > self._others_done):
+        if self.online(s):
             why.append("online")
         if s.waiting > 0 and self._queued_before:
             why.append("queue")
@@ -121,12 +140,9 @@ class InFlightController:
         t = round((time.monotonic() if now is None else now) - self._t0, 3)
         why = self.reasons(s)
         self._queued_before = s.waiting > 0
-        settled = self._settled(s)
-        if settled is not None and self._others_done is not None:
-            self._others_done = max(self._others_done, settled)
-        elif s.server_done is not None and self._others_done is None:  # the first reading: where others stand
-            self._others_done = s.server_done - s.ours_done
-        self._others_last = None if s.server_done is None else s.server_done - s.ours_done
+        if s.others_done is not None:
+            self._others_at_most.append(s.others_done[1])
+        self._foreign_before = s.foreign > 0
         self._last_preemptions = s.preemptions
         self._samples += 1
         self.peak_in_flight = max(self.peak_in_flight, s.in_flight)
@@ -135,7 +151,7 @@ class InFlightController:
         self._clear = 0 if why else self._clear + 1
         if not self.adaptive:
             pass
-        elif why and self._since_backoff > self.hold:
+        elif why and (self._since_backoff > self.hold or why == ["online"]):
             self.limit = max(self.floor, self.limit // 2)
             if set(why) != {"online"}:
                 self.threshold = self.limit
