@@ -270,8 +270,13 @@ class ServerConfig(_Section):
         "false: always max_in_flight, a fixed concurrency (as Ray Data LLM's HTTP processor), for comparison.")
     start_in_flight: int = Field(4, gt=0, description="Requests in flight to begin with; the policy grows it.")
     ttft_slo_ms: float = Field(
-        2000.0, gt=0, description="Time-to-first-token target: above it (ours, or the server's online requests' "
-        "as its /metrics histogram shows) the job backs off.")
+        2000.0, gt=0, description="Time-to-first-token target for the server's online requests: while others' "
+        "traffic is there, the job backs off when a probe at the online priority waits longer for its first "
+        "token (with no one else there: when ours do).")
+    probe_every_s: float = Field(
+        1.0, ge=0, description="Send a one-token probe at `online_priority` this often, to measure what an "
+        "online request waits now (0: none; the job's own time to first token stands in).")
+    online_priority: int = Field(0, description="The priority the server's online requests have (the probe's).")
     priority: int = Field(
         10, description="vLLM's request priority (under --scheduling-policy priority lower runs first; "
         "online requests default to 0, so a positive value yields to them).")

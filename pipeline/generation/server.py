@@ -67,6 +67,8 @@ class ServerSettings:
     request_timeout_s: float = 600.0
     max_retries: int = 8
     metrics_interval_s: float = 0.5
+    probe_every_s: float = 1.0  # an online-priority probe request this often (0: none)
+    online_priority: int = 0  # the probe's priority: what online requests send
     api_key_env: str | None = None
     ca_file: str | None = None
     tokenizer_path: str | None = None  # our tokenizer (the model folder), for the probe and text prompts
@@ -94,6 +96,7 @@ class ServerTotals:
 
     sent: int = 0  # requests sent, retries included
     completed: int = 0
+    probes: int = 0  # online-priority probes the server answered
     aborted: int = 0  # sent, then aborted by the feeder (the server counts them as finished)
     row_errors: int = 0
     retries: Counter[str] = field(default_factory=Counter)  # by cause: 429, 503, connection, ...
@@ -152,6 +155,8 @@ class ServerEngine:
         self._ttft_since_sample: list[float] = []
         self._throttled_since_sample = 0
         self._finished_since_sample = 0
+        self._probe_ttfts: list[float] = []
+        self._probed_at = 0.0
         self._gauges: dict[str, float] = {}
         self._ttft_seen = (0.0, 0.0)
         self._loop = asyncio.new_event_loop()
@@ -254,12 +259,47 @@ class ServerEngine:
         if self._wake is not None:
             self._loop.call_soon_threadsafe(self._wake.set)
 
+    def _ours_done(self) -> int:
+        """Our requests the server has finished (as far as we have read): rows, aborted, probes."""
+        return self.totals.completed + self.totals.aborted + self.totals.probes
+
+    async def _probe_online(self) -> None:
+        """What an online request waits for its first token now: one token at the online
+        priority (the policy holds it to the target while online traffic is there)."""
+        prompt: Any = PROBE_TEXT
+        if self.prompt_as == "token_ids" and self.tokenizer is not None:
+            prompt = list(self.tokenizer.encode(PROBE_TEXT, add_special_tokens=False))
+        body: dict[str, Any] = {"model": self.settings.model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
+                                "stream": True}
+        if self.priority is not None:
+            body["priority"] = self.settings.online_priority
+        sent = time.monotonic()
+        first = None
+        try:
+            async with self._http.stream("POST", "/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    await r.aread()
+                    return
+                async for line in r.aiter_lines():
+                    if first is None and line.startswith("data:") and '"choices"' in line:
+                        first = time.monotonic()
+        except Exception:  # no probe this time: the rows' requests say whether the server is there
+            return
+        with self._lock:
+            self.totals.probes += 1
+            if first is not None:
+                self._probe_ttfts.append(1000 * (first - sent))
+
     async def _sample(self) -> None:
         """Read the server's /metrics every interval and let the controller set the limit."""
         while True:
             await asyncio.sleep(self.settings.metrics_interval_s)
+            every = self.settings.probe_every_s
+            if every and time.monotonic() - self._probed_at >= every:
+                self._probed_at = time.monotonic()
+                asyncio.ensure_future(self._probe_online())
             with self._lock:
-                ours_before = self.totals.completed + self.totals.aborted
+                ours_before = self._ours_done()
             try:
                 r = await self._http.get("/metrics", timeout=5.0)
                 g = parse_metrics(r.text) if r.status_code == 200 else {}
@@ -273,7 +313,8 @@ class ServerEngine:
                 throttled, self._throttled_since_sample = self._throttled_since_sample, 0
                 finished, self._finished_since_sample = self._finished_since_sample, 0
                 in_flight = len(self._out)
-                ours_done = self.totals.completed + self.totals.aborted
+                ours_done = self._ours_done()
+                probes, self._probe_ttfts = self._probe_ttfts, []
             server_ttft = None
             if "ttft_count" in g:
                 count, total = g["ttft_count"] - self._ttft_seen[0], g["ttft_sum"] - self._ttft_seen[1]
@@ -285,6 +326,7 @@ class ServerEngine:
                 waiting=int(g.get("waiting", 0)), running=int(g.get("running", 0)),
                 preemptions=int(g.get("preemptions", 0)), in_flight=in_flight,
                 ttft_ms=round(max(ttfts), 1) if ttfts else None, throttled=throttled,
+                probe_ttft_ms=round(max(probes), 1) if probes else None,
                 kv_cache=g.get("kv_cache"), server_ttft_ms=server_ttft, finished=finished,
                 server_done=int(g["done"]) if "done" in g else None, ours_done_before=ours_before,
                 ours_done=ours_done))

@@ -60,7 +60,7 @@ def plot_trajectories(report: dict[str, Any]) -> bytes | None:
     return buf.getvalue()
 
 
-REASON_COLOURS = {"online": "tab:red", "queue": "tab:orange", "preempted": "tab:purple", "ttft": "tab:brown",
+REASON_COLOURS = {"online_ttft": "tab:red", "queue": "tab:orange", "preempted": "tab:purple",
                   "throttled": "tab:gray"}
 
 
@@ -89,6 +89,10 @@ def plot_server(report: dict[str, Any]) -> bytes | None:
         q_ax.plot(t, [x["foreign"] for x in steps], label="others'" + tag)
         ttft = [(x["t"], x["ttft_ms"]) for x in steps if x.get("ttft_ms") is not None]
         t_ax.plot([a for a, _ in ttft], [b for _, b in ttft], ".-", label="ours, highest per sample" + tag)
+        probe = [(x["t"], x["probe_ttft_ms"]) for x in steps if x.get("probe_ttft_ms") is not None]
+        t_ax.plot([a for a, _ in probe], [b for _, b in probe], "x-", label="an online request's (probe)" + tag)
+        online = [x["t"] for x in steps if x.get("online")]
+        q_ax.plot(online, [0] * len(online), "|", color="tab:red", markersize=12, label="online traffic there" + tag)
         for back in traj["backoffs"]:
             colour = REASON_COLOURS.get(back["reasons"][0], "black")
             for ax in (n_ax, q_ax, t_ax):
@@ -99,6 +103,7 @@ def plot_server(report: dict[str, Any]) -> bytes | None:
                    + ", ".join(f"{c.split(':')[1]} {r}" for r, c in REASON_COLOURS.items()) + ")", fontsize=9)
     q_ax.set_ylabel("the server's requests")
     t_ax.set_ylabel("time to first token, ms")
+    t_ax.set_yscale("log")
     t_ax.set_xlabel("seconds since the engine started")
     for ax in (n_ax, q_ax, t_ax):
         ax.grid(alpha=0.3)

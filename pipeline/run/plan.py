@@ -111,7 +111,8 @@ def server_settings(model: str, engine: EngineConfig) -> ServerSettings | None:
                           start_in_flight=s.start_in_flight if s.feedback else s.max_in_flight, feedback=s.feedback,
                           ttft_slo_ms=s.ttft_slo_ms, priority=s.priority, unavailable_s=s.unavailable_s,
                           request_timeout_s=s.request_timeout_s, max_retries=s.max_retries,
-                          metrics_interval_s=s.metrics_interval_s, api_key_env=s.api_key_env, ca_file=s.ca_file,
+                          metrics_interval_s=s.metrics_interval_s, probe_every_s=s.probe_every_s,
+                          online_priority=s.online_priority, api_key_env=s.api_key_env, ca_file=s.ca_file,
                           tokenizer_path=model, max_model_len=engine.max_model_len)
 
 

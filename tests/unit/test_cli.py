@@ -159,8 +159,8 @@ def test_the_summary_says_how_the_job_used_a_live_server():
     s = {"url": "http://10.0.0.5:8000", "prompt_as": "text", "prompt_as_why": "the server has no /tokenize",
          "notes": ["the server does not schedule by priority"], "ttft_ms": {"p50": 120.0, "p99": 2400.0, "slo": 2000.0},
          "in_flight": {"peak_in_flight": 48, "max_in_flight": 64,
-                       "backoffs": [{"reasons": ["online"]}, {"reasons": ["online", "ttft"]}]}}
+                       "backoffs": [{"reasons": ["online_ttft"]}, {"reasons": ["online_ttft", "queue"]}]}}
     line = server_line(s)
     assert "prompts as text (the server has no /tokenize)" in line and "in flight up to 48 (cap 64)" in line
-    assert "back-offs: online 2, ttft 1" in line and "p99 2,400 ms (target 2,000)" in line
+    assert "back-offs: online_ttft 2, queue 1" in line and "p99 2,400 ms (target 2,000)" in line
     assert line.endswith("the server does not schedule by priority")

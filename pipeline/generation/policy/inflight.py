@@ -5,32 +5,36 @@ is the server's, not our memory's. `InFlightController` is fed one `ServerSample
 reading of the server's `/metrics` (every `engine.server.metrics_interval_s`) and sets
 the limit that the server engine (`pipeline.generation.server`) dispatches up to.
 
-The rule, per sample:
+The rule, per sample. First, whether online traffic is there: the server serves requests
+that are not ours, seen in one of the last ONLINE_MEMORY samples. Others' are told from
+ours by count. Ours finished are counted just before the server's finished count is asked
+for and just after (the streams given a moment to catch up), which brackets what it
+counted of ours: others' finished requests lie in [least, most], and when the least now
+passes the most of a sample up to OTHERS_WINDOW back, others finished some in between.
+Or its gauges show more running and waiting than ours in flight and finished since the
+last sample, in two samples in a row (they are as of its last step). Both undercount
+others' rather than mistake ours for them.
 - Back off, halving the limit (not below `floor`), for any of these reasons:
-  - `online`: the server serves requests that are not ours. Either it has surely
-    finished some: ours are counted just before its count is asked for and just after
-    (when the streams have caught up), which brackets what it counted of ours, so
-    others' finished requests are known to lie in [least, most]; when the least now
-    passes the most of a sample up to OTHERS_WINDOW back, others finished requests in
-    between. Or its gauges show more running and waiting than ours in flight and
-    finished since the last sample, in two samples in a row (its gauges are as of its
-    last step, so this too undercounts rather than mistake ours for others').
+  - `online_ttft`: online traffic is there, and an online request's time to first token
+    (the engine's probe: an online-priority request of one token, each sample; else
+    ours) passed `ttft_slo_ms`. Halves at every sample it holds: the server's users wait.
+    With no one else there the target does not bind: the job is held only by the
+    server's capacity (the reasons below).
   - `queue`: requests waited in two samples in a row (the server is full).
   - `preempted`: the server's preemption count rose.
-  - `ttft`: our requests' time to first token passed `ttft_slo_ms`.
   - `throttled`: the server answered 429 or 503.
-  At most one back-off per `hold` + 1 samples for the server's capacity; a reason that
-  lasts halves the limit again every `hold` + 1 samples, down to `floor`. Online traffic
-  halves it at every sample it is seen in (it is the server's users, not our load).
-- Grow when no reason has been seen for `hold` samples in a row, nothing waits, and our
+  The capacity reasons (all but online_ttft) back off at most once per `hold` + 1
+  samples; one that lasts halves the limit again every `hold` + 1 samples.
+- Grow when no reason has been seen for `hold` samples in a row, nothing waits, our
   requests filled the limit (a limit we did not use says nothing about whether the
-  server could take more): by half again up to the threshold, by an eighth (at least
-  one) past it. A back-off for the server's capacity (queue, preempted, ttft, throttled)
-  sets the threshold to the halved limit, so the limit closes in on the level that hurt
-  instead of jumping past it (TCP's slow-start threshold); one for online traffic leaves
-  it, so the job climbs back quickly once the online load has gone.
+  server could take more), and, while online traffic is there, an online request waits
+  under half the target: by half again up to the threshold, by an eighth (at least one)
+  past it. A capacity back-off sets the threshold to the halved limit, so the limit
+  closes in on the level that hurt instead of jumping past it (TCP's slow-start
+  threshold); an online_ttft back-off leaves it, so the job climbs back quickly once
+  online traffic has gone.
 
-Oscillation bound (capacity reasons; online back-offs follow the online load). Under
+Oscillation bound (capacity reasons; online_ttft back-offs follow the online load). Under
 steady conditions where a capacity reason fires once the limit reaches some level L,
 after its first back-off the limit stays within [L/2, L + max(1, L/8)] and backs off at
 most once every `hold` + 1 samples: a back-off halves a limit of at least L (at most
@@ -47,6 +51,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 OTHERS_WINDOW = 4  # samples: others' finished requests are compared with the count this many samples back
+ONLINE_MEMORY = 4  # samples: online traffic seen this recently is still there
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,7 @@ class ServerSample:
     preemptions: int  # the server's preemptions so far (a counter)
     in_flight: int  # ours, sent and not yet answered in full
     ttft_ms: float | None = None  # our requests' time to first token since the last sample (the highest)
+    probe_ttft_ms: float | None = None  # an online-priority probe's since the last sample (the highest)
     throttled: int = 0  # our requests answered 429 or 503 since the last sample
     kv_cache: float | None = None  # the server's KV-cache usage 0..1, where it reports it
     server_ttft_ms: float | None = None  # the server's mean time to first token since the last sample (all clients)
@@ -100,6 +106,8 @@ class InFlightController:
     _queued_before: bool = field(init=False, default=False)
     _others_at_most: deque[int] = field(init=False, default_factory=lambda: deque(maxlen=OTHERS_WINDOW))
     _foreign_before: bool = field(init=False, default=False)
+    _online_seen: int | None = field(init=False, default=None)  # the last sample that saw online traffic
+    online_present: bool = field(init=False, default=False)  # as of the last sample
     threshold: int | None = field(init=False, default=None)  # growth is by an eighth from here on
     _samples: int = field(init=False, default=0)
     _t0: float = field(init=False, default_factory=time.monotonic)
@@ -120,17 +128,19 @@ class InFlightController:
         finished = done is not None and bool(self._others_at_most) and done[0] > min(self._others_at_most)
         return finished or (s.foreign > 0 and self._foreign_before)
 
-    def reasons(self, s: ServerSample) -> list[str]:
-        """Why `s` calls for a back-off ([] if it does not)."""
+    def online_ttft_ms(self, s: ServerSample) -> float | None:
+        """What an online request waits for its first token now: the probe's, else ours."""
+        return s.probe_ttft_ms if s.probe_ttft_ms is not None else s.ttft_ms
+
+    def reasons(self, s: ServerSample, online: bool) -> list[str]:
+        """Why `s` calls for a back-off ([] if it does not); `online`: others' traffic is there."""
         why = []
-        if self.online(s):
-            why.append("online")
+        if online and (ttft := self.online_ttft_ms(s)) is not None and ttft > self.ttft_slo_ms:
+            why.append("online_ttft")
         if s.waiting > 0 and self._queued_before:
             why.append("queue")
         if self._last_preemptions is not None and s.preemptions > self._last_preemptions:
             why.append("preempted")
-        if s.ttft_ms is not None and s.ttft_ms > self.ttft_slo_ms:
-            why.append("ttft")
         if s.throttled:
             why.append("throttled")
         return why
@@ -138,7 +148,11 @@ class InFlightController:
     def observe(self, s: ServerSample, now: float | None = None) -> int:
         """Take one sample; the limit from now on."""
         t = round((time.monotonic() if now is None else now) - self._t0, 3)
-        why = self.reasons(s)
+        if self.online(s):
+            self._online_seen = self._samples
+        online = self.online_present = (self._online_seen is not None
+                                        and self._samples - self._online_seen < ONLINE_MEMORY)
+        why = self.reasons(s, online)
         self._queued_before = s.waiting > 0
         if s.others_done is not None:
             self._others_at_most.append(s.others_done[1])
@@ -151,25 +165,31 @@ class InFlightController:
         self._clear = 0 if why else self._clear + 1
         if not self.adaptive:
             pass
-        elif why and (self._since_backoff > self.hold or why == ["online"]):
+        elif why and (self._since_backoff > self.hold or why == ["online_ttft"]):
             self.limit = max(self.floor, self.limit // 2)
-            if set(why) != {"online"}:
+            if set(why) != {"online_ttft"}:
                 self.threshold = self.limit
             self._since_backoff = 0
             if self.limit != before:
                 self.backoffs.append({"t": t, "from": before, "to": self.limit, "reasons": why,
                                       "waiting": s.waiting, "running": s.running, "foreign": s.foreign,
-                                      "ttft_ms": s.ttft_ms})
-        elif self._clear >= self.hold and s.waiting == 0 and s.in_flight >= self.limit and self.limit < self.max_in_flight:
+                                      "ttft_ms": s.ttft_ms, "probe_ttft_ms": s.probe_ttft_ms, "online": online})
+        elif (self._clear >= self.hold and s.waiting == 0 and s.in_flight >= self.limit
+              and self.limit < self.max_in_flight and (not online or self._headroom(s))):
             if self.threshold is None or self.limit < self.threshold:
                 grown = min(self.limit + max(1, self.limit // 2), self.threshold or self.max_in_flight)
             else:
                 grown = self.limit + max(1, self.limit // 8)
             self.limit = min(self.max_in_flight, grown)
-        if self.limit != before or self._samples % 4 == 1 or why:
+        if self.limit != before or self._samples % 4 == 1 or why or online:
             self.steps.append({"t": t, "limit": self.limit, **{k: v for k, v in asdict(s).items() if v is not None},
-                               "foreign": s.foreign, **({"reasons": why} if why else {})})
+                               "foreign": s.foreign, "online": online, **({"reasons": why} if why else {})})
         return self.limit
+
+    def _headroom(self, s: ServerSample) -> bool:
+        """Online traffic is there, and an online request now waits under half the target."""
+        ttft = self.online_ttft_ms(s)
+        return ttft is not None and ttft < self.ttft_slo_ms / 2
 
     def trajectory(self) -> dict[str, Any]:
         """The limit over time (each change, each sample with a reason, and every 4th sample),

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from pipeline.generation.engine import Sampling
-from pipeline.generation.server import ServerEngine, ServerSettings, ServerUnavailable, parse_metrics
+from pipeline.generation.server import PROBE_TEXT, ServerEngine, ServerSettings, ServerUnavailable, parse_metrics
 
 
 class CharTokenizer:
@@ -68,7 +68,8 @@ class FakeServer:
 
 
 def engine(server: FakeServer, **settings) -> ServerEngine:
-    defaults = dict(url="http://srv:8000", model="m", max_in_flight=8, unavailable_s=0.5, metrics_interval_s=0.05)
+    defaults = dict(url="http://srv:8000", model="m", max_in_flight=8, unavailable_s=0.5, metrics_interval_s=0.05,
+                    probe_every_s=0.0)
     return ServerEngine(ServerSettings(**{**defaults, **settings}), CharTokenizer(), httpx.MockTransport(server))
 
 
@@ -251,13 +252,39 @@ def test_the_live_metrics_carry_the_limit_the_queue_and_the_backoffs():
     try:
         run(e, [[1, 2]])
         time.sleep(0.2)
-        e.controller.backoffs.append({"t": 0.0, "from": 6, "to": 3, "reasons": ["online", "ttft"]})
+        e.controller.backoffs.append({"t": 0.0, "from": 6, "to": 3, "reasons": ["online_ttft", "queue"]})
         families = {f["name"]: f for f in e.metric_families()}
         value = {name: f["samples"][0][2] for name, f in families.items() if f["type"] == "gauge"}
         assert value["pipeline_server_in_flight_limit"] == e.controller.limit
         assert value["pipeline_server_requests_waiting"] == 2.0 and value["pipeline_server_ttft_slo_ms"] == 2000.0
         backoffs = families["pipeline_server_backoffs"]["samples"]
-        want = Counter(r for b in e.controller.backoffs for r in b["reasons"])  # 2 waiting: others' (online)
-        assert {labels["reason"]: n for _, labels, n in backoffs} == want and want["ttft"] == 1
+        want = Counter(r for b in e.controller.backoffs for r in b["reasons"])
+        assert {labels["reason"]: n for _, labels, n in backoffs} == want and want["online_ttft"] == 1
+    finally:
+        e.close()
+
+
+def test_a_probe_at_the_online_priority_measures_what_an_online_request_waits():
+    done = [0]
+    server = FakeServer()
+
+    def counting(request):  # the server's finished count: every completion, the probes' too
+        response = server(request)
+        if request.url.path == "/v1/completions" and response.status_code == 200:
+            done[0] += 1
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text=f"# TYPE vllm:request_success counter\n"
+                                            f'vllm:request_success_total{{engine="0"}} {done[0]}.0\n')
+        return response
+
+    e = ServerEngine(ServerSettings(url="http://srv:8000", model="m", metrics_interval_s=0.05, probe_every_s=0.1,
+                                    priority=10, online_priority=0), CharTokenizer(), httpx.MockTransport(counting))
+    try:
+        run(e, [[1, 2], [3, 4]])
+        time.sleep(0.5)
+        probes = [b for b in server.bodies if b["max_tokens"] == 1]
+        assert probes and all(b["priority"] == 0 and b["prompt"] == [ord(ch) for ch in PROBE_TEXT] for b in probes)
+        assert any(x.get("probe_ttft_ms") is not None for x in e.controller.steps)
+        assert e.totals.probes >= 1 and not e.controller.online_present  # probes are ours, not others'
     finally:
         e.close()

@@ -62,11 +62,11 @@ def test_a_live_servers_trajectory_is_joined_from_the_calls_and_plotted():
 
     a1 = {**actor("a", 1, 100, 5.0, 1000.0, 1005.0), "server": server([step(0.5, 4), step(1.0, 6)], [])}
     a2 = {**actor("a", 2, 150, 8.0, 1000.0, 1009.0),
-          "server": server([step(1.5, 3, ["online"]), step(2.0, 4)], [{"t": 1.5, "from": 6, "to": 3,
-                                                                       "reasons": ["online"]}])}
+          "server": server([step(1.5, 3, ["online_ttft"]), step(2.0, 4)], [{"t": 1.5, "from": 6, "to": 3,
+                                                                       "reasons": ["online_ttft"]}])}
     calls = [call("a", "le256", 100, a1), call("a", "le512", 50, a2)]
     (joined,) = servers(calls)
     assert [s["t"] for s in joined["in_flight"]["steps"]] == [0.5, 1.0, 1.5, 2.0]
-    assert [b["reasons"] for b in joined["in_flight"]["backoffs"]] == [["online"]]
+    assert [b["reasons"] for b in joined["in_flight"]["backoffs"]] == [["online_ttft"]]
     width, height, ink = drawn(plot_trajectories({"job": "j", "run_id": "r", "batching": {}, "server": [joined]}))
     assert height > 0 and ink > 0.03
