@@ -145,7 +145,7 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         f"Commit {results['commit']}, {results['date']}. Machine: {m['cpu']}, {m['cores']} cores, "
         f"{m['memory_gib']} GiB; CPU flags {flags}. One vLLM server (CPU backend, the tiny model, "
-        f"`--scheduling-policy priority`, 64 sequences) shares the 2 cores with the job's driver. "
+        f"`--scheduling-policy priority`, 64 sequences) on the same machine as the job. "
         f"{results['rows']} rows, {results['max_tokens']} new tokens each; online: {results['rate']:g} requests/s, "
         f"priority 0, 8 new tokens, streamed. The job's processes keep to cores {sorted(JOB_CPUS)}, off the server "
         f"worker's core 0, as on a host of their own. `engine.server.ttft_slo_ms` = 1.2 x the online P99 alone = "

@@ -563,7 +563,8 @@ class ServerEngine:
         traj["steps"], traj["backoffs"] = traj["steps"][seen_steps:], traj["backoffs"][seen_backoffs:]
         return {"url": self.settings.base, "model": self.settings.model, "prompt_as": self.prompt_as,
                 "prompt_as_why": self.probe.get("why"), "priority": self.priority, "notes": list(self.notes),
-                "sent": t.sent, "completed": t.completed, "row_errors": t.row_errors, "retries": dict(t.retries),
+                "sent": t.sent, "completed": t.completed, "probes": t.probes, "row_errors": t.row_errors,
+                "retries": dict(t.retries),
                 "ttft_ms": {"p50": pct(0.5), "p99": pct(0.99), "slo": self.settings.ttft_slo_ms},
                 "in_flight": traj}
 
