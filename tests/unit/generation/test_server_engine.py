@@ -288,3 +288,26 @@ def test_a_probe_at_the_online_priority_measures_what_an_online_request_waits():
         assert e.totals.probes >= 1 and not e.controller.online_present  # probes are ours, not others'
     finally:
         e.close()
+
+
+def test_the_api_key_comes_from_the_environment_and_a_missing_one_is_named(monkeypatch):
+    seen = []
+    inner = FakeServer()
+
+    def recording(request):
+        seen.append(request.headers.get("authorization"))
+        return inner(request)
+
+    monkeypatch.setenv("TEST_LLM_KEY", "s3cret")
+    e = engine(FakeServer(), api_key_env="TEST_LLM_KEY")
+    e.close()
+    e = ServerEngine(ServerSettings(url="http://srv:8000", model="m", api_key_env="TEST_LLM_KEY", probe_every_s=0),
+                     CharTokenizer(), httpx.MockTransport(recording))
+    try:
+        run(e, [[1, 2]])
+        assert seen and set(seen) == {"Bearer s3cret"}
+    finally:
+        e.close()
+    monkeypatch.delenv("TEST_LLM_KEY")
+    with pytest.raises(RuntimeError, match=r"engine.server.api_key_env: \$TEST_LLM_KEY is not set"):
+        engine(FakeServer(), api_key_env="TEST_LLM_KEY")
