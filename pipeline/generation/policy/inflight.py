@@ -10,8 +10,8 @@ that are not ours, seen in one of the last ONLINE_MEMORY samples. Others' are to
 ours by count. Ours finished are counted just before the server's finished count is asked
 for and just after (the streams given a moment to catch up), which brackets what it
 counted of ours: others' finished requests lie in [least, most], and when the least now
-passes the most of a sample up to OTHERS_WINDOW back, others finished some in between.
-Or its gauges show more running and waiting than ours in flight and finished since the
+passes the most of a sample up to OTHERS_WINDOW back, in two samples in a row, others
+finished some in between. Or its gauges show more running and waiting than ours in flight and finished since the
 last sample, in two samples in a row (they are as of its last step). Both undercount
 others' rather than mistake ours for them.
 - Back off, halving the limit (not below `floor`), for any of these reasons:
@@ -106,6 +106,7 @@ class InFlightController:
     _queued_before: bool = field(init=False, default=False)
     _others_at_most: deque[int] = field(init=False, default_factory=lambda: deque(maxlen=OTHERS_WINDOW))
     _foreign_before: bool = field(init=False, default=False)
+    _finished_before: bool = field(init=False, default=False)
     _online_seen: int | None = field(init=False, default=None)  # the last sample that saw online traffic
     online_present: bool = field(init=False, default=False)  # as of the last sample
     threshold: int | None = field(init=False, default=None)  # growth is by an eighth from here on
@@ -123,10 +124,14 @@ class InFlightController:
     def online(self, s: ServerSample) -> bool:
         """Others' requests are on the server: it finished more of them than it had, for
         sure, within the last OTHERS_WINDOW samples (at least as many now as at most then),
-        or its gauges showed more requests than ours in two samples in a row."""
+        in two samples in a row; or its gauges showed more requests than ours in two samples
+        in a row. Two, because a reading can be off once: our streams slow to catch up (a
+        loaded machine) leave ours undercounted for a sample, never for good, while others'
+        finished requests stay counted."""
         done = s.others_done
         finished = done is not None and bool(self._others_at_most) and done[0] > min(self._others_at_most)
-        return finished or (s.foreign > 0 and self._foreign_before)
+        self._finished_before, before = finished, self._finished_before
+        return (finished and before) or (s.foreign > 0 and self._foreign_before)
 
     def online_ttft_ms(self, s: ServerSample) -> float | None:
         """What an online request waits for its first token now: the probe's, else ours."""

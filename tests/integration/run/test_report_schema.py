@@ -53,7 +53,8 @@ def test_report_keys_and_types_are_pinned(job_run):
         check(b, PER_BUCKET, f"batching.per_bucket.{name}")
         for step in b["trajectory"]:
             assert STEP <= set(step), f"a trajectory step lacks {STEP - set(step)}"
-    assert set(r["engine"]) == {"settings", "engines", "actors", "calls", "pool", "prefix_cache", "cpus"}
+    assert set(r["engine"]) == {"settings", "engines", "actors", "calls", "pool", "prefix_cache", "cpus", "server"}
+    assert r["engine"]["server"] is None  # engines of our own: no live server (tests/integration/generation/test_server_backend.py)
     cpus = r["engine"]["cpus"]  # where the engines' workers run, and the run's other processes (or None)
     assert cpus is None or (set(cpus) == {"engine", "others", "processes"} and not set(cpus["engine"]) & set(cpus["others"]))
     prefix = r["engine"]["prefix_cache"]  # vLLM's, summed over the engines: prompt tokens looked up and found
