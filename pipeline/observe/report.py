@@ -318,7 +318,7 @@ def build_report(ctx: RunContext, engine_settings: dict[str, Any]) -> RunReport:
         batching=batching_section(ctx, calls, actors),
         engine={"settings": engine_settings, "engines": engines, "actors": actors, "calls": len(calls),
                 "prefix_cache": prefix_cache(actors), "cpus": ctx.engine_cpus,
-                "server": [a["server"] for a in actors if a.get("server")] or None,
+                "server": servers(actors) or None,
                 "pool": pool_summary(calls, actors, {b: sum(c.values()) for b, c in
                                                      written["prompt_tokens_by_bucket"].items()})},
         engine_calls=[{k: v for k, v in c.items() if k not in ("trajectory", "backoffs", "actor")}
@@ -373,11 +373,11 @@ def reuse_section(ctx: RunContext, written: dict[str, Any], actors: list[dict[st
     }
 
 
-def servers(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each engine's record of the live server it sent rows to (`engine.backend: server`):
-    how prompts went, its in-flight trajectory and back-offs, retries, our time to first
-    token. [] for engines of our own."""
-    return [a["server"] for a in actor_summaries(calls) if a.get("server")]
+def servers(actors: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each engine's record (from `actor_summaries`) of the live server it sent rows to
+    (`engine.backend: server`): how prompts went, its in-flight trajectory and back-offs,
+    retries, our time to first token. [] for engines of our own."""
+    return [a["server"] for a in actors if a.get("server")]
 
 
 def prefix_cache(actors: list[dict[str, Any]]) -> dict[str, Any] | None:

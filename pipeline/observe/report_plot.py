@@ -7,6 +7,20 @@ import io
 from typing import Any
 
 
+def png(fig: Any, axes: tuple[Any, ...], ncol: int) -> bytes:
+    """The figure, its axes gridded and labelled, as PNG bytes; the figure is closed."""
+    import matplotlib.pyplot as plt
+
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best", fontsize=8, ncol=ncol)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    return buf.getvalue()
+
+
 def plot_trajectories(report: dict[str, Any]) -> bytes | None:
     """Budget (rows in flight) and memory pressure over time, one line per bucket,
     as PNG bytes; None when the run has no trajectory to show. A run on a live server
@@ -50,14 +64,7 @@ def plot_trajectories(report: dict[str, Any]) -> bytes | None:
     p_ax.set_ylabel("peak memory pressure")
     p_ax.set_xlabel("seconds since the engine's first batch")
     p_ax.set_ylim(0, 1.05)
-    for ax in (rows_ax, p_ax):
-        ax.grid(alpha=0.3)
-        ax.legend(loc="best", fontsize=8, ncol=2)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    return buf.getvalue()
+    return png(fig, (rows_ax, p_ax), ncol=2)
 
 
 REASON_COLOURS = {"online_ttft": "tab:red", "queue": "tab:orange", "preempted": "tab:purple",
@@ -105,11 +112,4 @@ def plot_server(report: dict[str, Any]) -> bytes | None:
     t_ax.set_ylabel("time to first token, ms")
     t_ax.set_yscale("log")
     t_ax.set_xlabel("seconds since the engine started")
-    for ax in (n_ax, q_ax, t_ax):
-        ax.grid(alpha=0.3)
-        ax.legend(loc="best", fontsize=8, ncol=3)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    return buf.getvalue()
+    return png(fig, (n_ax, q_ax, t_ax), ncol=3)

@@ -629,7 +629,8 @@ def finish(ctx: RunContext, target: OutputTarget) -> RunReport:
 
     def draw() -> bool:
         png = plot_trajectories({"job": config.job.name, "run_id": ctx.run_id,
-                                 "batching": batching_section(ctx, calls), "server": servers(calls)})
+                                 "batching": batching_section(ctx, calls),
+                                 "server": servers(actor_summaries(calls))})
         if png:
             write_beside(target.fs, target.staging.data, PLOT_NAME, png)
         return png is not None

@@ -65,7 +65,7 @@ def test_a_live_servers_trajectory_is_joined_from_the_calls_and_plotted():
           "server": server([step(1.5, 3, ["online_ttft"]), step(2.0, 4)], [{"t": 1.5, "from": 6, "to": 3,
                                                                        "reasons": ["online_ttft"]}])}
     calls = [call("a", "le256", 100, a1), call("a", "le512", 50, a2)]
-    (joined,) = servers(calls)
+    (joined,) = servers(actor_summaries(calls))
     assert [s["t"] for s in joined["in_flight"]["steps"]] == [0.5, 1.0, 1.5, 2.0]
     assert [b["reasons"] for b in joined["in_flight"]["backoffs"]] == [["online_ttft"]]
     width, height, ink = drawn(plot_trajectories({"job": "j", "run_id": "r", "batching": {}, "server": [joined]}))
