@@ -64,6 +64,7 @@ class KeyShard:
         self._rows = 0
         self._index: dict[str, tuple[int, int]] = {}  # key -> (rank of its source, row)
         self._table: pa.Table | None = None
+        self._asked = 0  # keys looked up here (a resumed run asks none of its committed rows')
 
     def add(self, table: pa.Table, rank: int) -> int:
         """Rows of one source (`rank` 0 is the newest): `result_key` and the results."""
@@ -79,6 +80,9 @@ class KeyShard:
 
     def size(self) -> int:
         return len(self._index)
+
+    def asked(self) -> int:
+        return self._asked
 
     def load(self, files: list[tuple[str, int, str]], number: int, shards: int,
              columns: list[str]) -> tuple[int, float]:
@@ -101,6 +105,7 @@ class KeyShard:
 
     def look_up(self, keys: list[str]) -> pa.Table:
         """The results of each key's earlier row, in order; a row of nulls where none."""
+        self._asked += len(keys)
         if self._table is None and self._tables:
             self._table = pa.concat_tables(self._tables)
             self._tables = [self._table]
@@ -135,6 +140,7 @@ class ReuseIndex:
         self.shards = [ray.remote(num_cpus=0)(KeyShard).remote() for _ in range(self.shard_count)]
         self._loads = [s.load.remote(files, k, self.shard_count, columns) for k, s in enumerate(self.shards)]
         self._loaded: list[tuple[int, float]] | None = None
+        self.looked_up: int | None = None  # keys the run looked up, counted by the shards as they end
 
     def _wait(self) -> list[tuple[int, float]]:
         import ray
@@ -162,6 +168,11 @@ class ReuseIndex:
                 self._wait()
             except Exception:  # a shard that failed: the run says so elsewhere
                 self._loaded = []
+        if self.shards:
+            try:
+                self.looked_up = sum(ray.get([s.asked.remote() for s in self.shards]))
+            except Exception:  # a shard that failed: its count is lost with it
+                self.looked_up = None
         for s in self.shards:
             ray.kill(s)
         self.shards = []

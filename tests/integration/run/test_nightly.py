@@ -2,7 +2,8 @@
 corpus over three nights, night 1 being the session's shared run (tests/integration/conftest.py).
 
 - night 2: 5% of the documents edited, 2% new, 1% removed, and one row that was an error
-  on night 1; exactly those are generated, every other row is night 1's;
+  on night 1; exactly those are generated, every other row is night 1's. It is killed a
+  third of the way through and resumed: no committed row is generated or looked up again;
 - the same corpus once more: every row reused, no engine started, the output whole;
 - night 3: another prompt template: every row generated.
 """
@@ -19,7 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.helpers import REPO
-from tests.helpers.runs import read_run, run_cli, run_processes, start, wait_for
+from tests.helpers.runs import end_all, read_run, run_cli, run_processes, start, wait_for
 
 JOB = REPO / "jobs/nightly_summarize.yaml"
 PROFILE = REPO / "conf/local.yaml"
@@ -39,7 +40,7 @@ def keyed_sets(job_run):
 
 
 @pytest.fixture(scope="module")
-def nights(job_run, tmp_path_factory):
+def nights(job_run, tmp_path_factory, ray_tmp):
     """Night 2's corpus and output, after night 1 (the shared run) with one row made an
     error in a copy of its output (what a failed row looks like there)."""
     tmp = tmp_path_factory.mktemp("nights")
@@ -68,11 +69,39 @@ def nights(job_run, tmp_path_factory):
     pq.write_table(pa.Table.from_pylist(rows + new, schema=job_run.corpus.schema), path)
     out = tmp / "out" / "dt={date}"
     sets = keyed_sets(job_run)
-    run = read_run(tmp / "out" / "dt=2026-11-02", path, run_cli(
-        JOB, PROFILE, "--date", "2026-11-02", "--input", str(path), "--output", str(out), "--reuse", str(flipped),
-        *sets))
+    night2 = ["--date", "2026-11-02", "--input", str(path), "--output", str(out), "--reuse", str(flipped), *sets,
+              # Batch sizes change no key: input in 20-row batches, each 1 s slower, so
+              # that the run is still going when a third of its rows are committed.
+              "--set", "batching.prepare_batch_rows=20", "--set", "bucketing.window_rows=40"]
+    # Night 2 is killed (driver first, then every process of its Ray, by pid) once a third
+    # of its rows are committed, then resumed: resume and reuse compose.
+    proc, driver = start([sys.executable, "-m", "pipeline", "run", str(JOB), "--profile", str(PROFILE), *night2,
+                          "--set", "debug.slow_prepare_s=1.0"], ray_tmp, tmp / "night2-killed.log")
+    everything = []
+    try:
+        wait_for("a third of night 2's rows committed", lambda: committed_rows(tmp / "out") >= len(rows) // 3, proc)
+        everything = run_processes(driver, ray_tmp)
+        driver.kill()
+        proc.wait(30)
+    finally:
+        end_all([p for p in everything if p.is_running()])
+    at_kill = committed_rows(tmp / "out")
+    resumed_at = time.time()
+    run = read_run(tmp / "out" / "dt=2026-11-02", path, run_cli(JOB, PROFILE, *night2, "--resume"))
     return {"run": run, "night1": night1, "failed": failed, "edited": edited, "new": {r["id"] for r in new},
-            "removed": removed, "corpus": path, "out": out, "sets": sets, "tmp": tmp}
+            "removed": removed, "corpus": path, "out": out, "sets": sets, "tmp": tmp, "at_kill": at_kill,
+            "resumed_at": resumed_at}
+
+
+def committed_rows(out_parent) -> int:
+    """Rows in the commit markers of any staging in `out_parent` (a partition's staging lies beside it)."""
+    total = 0
+    for marker in out_parent.glob(".*.staging/commits/*.parquet"):
+        try:
+            total += pq.read_metadata(marker).num_rows
+        except (OSError, ValueError):
+            pass  # being written
+    return total
 
 
 def test_night_2_generates_exactly_the_edited_new_and_failed_rows(nights):
@@ -87,8 +116,19 @@ def test_night_2_generates_exactly_the_edited_new_and_failed_rows(nights):
     assert reuse["sources"][0]["rows_reused"] == reuse["rows_reused"] and reuse["lookup"]["keys"] > 0
     assert reuse["output_tokens_not_generated"] > 0 and reuse["engine_s_saved"] > 0
     assert f"reused: {reuse['rows_reused']:,} rows" in run.result.stdout  # and the run's summary says so
-    actors = run.report["engine"]["actors"]  # rows with one prompt between them are one request
-    assert sum(a["requests"] + sum(a["merged"].values()) for a in actors) == len(generated)
+
+
+def test_night_2_killed_and_resumed_neither_generates_nor_looks_up_a_committed_row_again(nights):
+    run = nights["run"]
+    resume, reuse = run.report["resume"], run.report["reuse"]
+    assert 0 < resume["rows_committed_before"] == nights["at_kill"] < run.written.num_rows
+    assert resume["rows_generated"] == run.written.num_rows - resume["rows_committed_before"]
+    assert reuse["lookup"]["rows_looked_up"] == resume["rows_generated"]  # none of the committed rows
+    # The resumed run's engine generated exactly the rows it wrote that no earlier night
+    # had: none that the killed run committed (rows with one prompt between them are one request).
+    mine = [r for r in run.written.to_pylist() if r["run_id"] == run.report["run_id"] and r["reused_from"] is None]
+    actors = [a for a in run.report["engine"]["actors"] if a["ready_at"] >= nights["resumed_at"]]
+    assert sum(a["requests"] + sum(a["merged"].values()) for a in actors) == len(mine)
 
 
 def test_night_2_keeps_night_1s_results_for_every_other_row(nights):
@@ -99,7 +139,8 @@ def test_night_2_keeps_night_1s_results_for_every_other_row(nights):
             continue
         before = night1[r["id"]]
         assert {c: r[c] for c in RESULTS} == {c: before[c] for c in RESULTS}, r["id"]
-        assert r["reused_from"].startswith(before["run_id"]) and r["run_id"] == run.report["run_id"]
+        # Written by night 2: by the killed run (committed before the kill) or by its resume.
+        assert r["reused_from"].startswith(before["run_id"]) and r["run_id"] in run.report["resume"]["lineage"]
 
 
 def test_a_night_whose_every_row_is_reused_starts_no_engine(nights, ray_tmp):

@@ -21,6 +21,7 @@ def test_a_shard_answers_in_order_and_the_newest_source_wins():
     found = shard.look_up(["k3", "nope", "k2", "k1"]).to_pydict()
     assert found[REUSED_PREFIX + "summary"] == ["new three", None, "new two", "old one"]
     assert found[REUSED_FROM] == ["night2", None, "night2", "night1"]
+    assert shard.asked() == 4  # every key asked about, found or not (a resumed run's count)
 
 
 def test_answers_from_several_shards_line_up_with_the_batch_rows():
