@@ -40,6 +40,7 @@ OBJECT_STORE_BYTES = 400 * 1024**2  # per node; the corpus is a few MB
 ROWS = 240
 BLOCK_ROWS = 32  # batching.generate_batch_rows: the largest bucket is several blocks
 MAX_NEW_TOKENS = 16
+PLACEMENT_TIMEOUT_S = 5  # hardware.placement_timeout_s for a pool that cannot be placed
 HEALTH_CHECKS = {"health_check_initial_delay_ms": 1000, "health_check_period_ms": 1000,
                  "health_check_failure_threshold": 3}
 
@@ -89,6 +90,18 @@ def raylet_descendants(cluster: Any) -> list[psutil.Process]:
                 found += psutil.Process(info.process.pid).children(recursive=True)
             except psutil.Error:
                 pass  # a raylet already gone: its workers are past finding
+    return found
+
+
+def engine_actors(cluster: Any) -> list[psutil.Process]:
+    """The engine actors' processes on the cluster (Ray titles them after the stage)."""
+    found = []
+    for p in raylet_descendants(cluster):
+        try:
+            if "GenerateStage" in " ".join(p.cmdline()):
+                found.append(p)
+        except psutil.Error:
+            pass
     return found
 
 
@@ -229,12 +242,15 @@ def test_two_jobs_share_the_cluster_each_with_its_own_engine_output_and_metrics(
                                                                                  gateway):
     """The nightly job and kb_ingest at once on the cluster, one engine each: both finish,
     every id once in each output, each run's engine its own (no actor, staging or lease in
-    common), and each run's metrics under its own job and output."""
+    common), and each run's metrics under its own job and output. A third job, started
+    once both runs' engines are up, asks for a pool the cluster can't hold beside them
+    (a whole node per engine, on both nodes): it waits `hardware.placement_timeout_s`,
+    then stops saying so, having written nothing, and the two others are unharmed."""
     nightly_in = write_corpus(tmp_path / "nightly" / "in.parquet", rows=160, seed=11)
     kb_in = write_corpus(tmp_path / "kb" / "in.parquet", rows=40, seed=12)
-    common = ["--set", f"hardware.ray_address={cluster.address}", "--set", "hardware.num_engines=1",
-              "--set", f"model.name={tiny_model}", "--set", "sampling.max_new_tokens=16",
-              "--set", "batching.learned_limits=null", *(("--pushgateway", gateway) if gateway else ())]
+    on_cluster = ["--set", f"hardware.ray_address={cluster.address}", "--set", f"model.name={tiny_model}",
+                  "--set", "sampling.max_new_tokens=16", "--set", "batching.learned_limits=null"]
+    common = [*on_cluster, "--set", "hardware.num_engines=1", *(("--pushgateway", gateway) if gateway else ())]
     runs = {}
     for job, corpus in (("nightly_summarize", nightly_in), ("kb_ingest", kb_in)):
         out = corpus.parent / "out"
@@ -244,6 +260,19 @@ def test_two_jobs_share_the_cluster_each_with_its_own_engine_output_and_metrics(
                                        "--output", str(out), *common], cwd=REPO, stdout=log,
                                       stderr=subprocess.STDOUT, env=os.environ.copy()), out, corpus, log)
     try:
+        # Once both runs' engine actors are up (their pools placed), the third asks for its pool.
+        deadline = time.monotonic() + 300
+        while len(engine_actors(cluster)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        third_out = tmp_path / "third" / "out"
+        asked = time.monotonic()
+        third = run_cli(REPO / "jobs/nightly_summarize.yaml", REPO / "conf/local.yaml",
+                        "--input", str(nightly_in), "--output", str(third_out), *on_cluster,
+                        "--set", "hardware.num_engines=2", "--set", "hardware.engines_per_node=1",
+                        "--set", f"hardware.engine_num_cpus={NODE_CPUS}",
+                        "--set", f"hardware.placement_timeout_s={PLACEMENT_TIMEOUT_S}")
+        third_took = time.monotonic() - asked
+        nightly_running = runs["nightly_summarize"][0].poll() is None
         for proc, _, _, log in runs.values():
             proc.wait(timeout=480)
             log.close()
@@ -252,6 +281,12 @@ def test_two_jobs_share_the_cluster_each_with_its_own_engine_output_and_metrics(
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+    last = third.stderr.strip().splitlines()[-1]
+    assert third.returncode == 1 and f"could not be placed in {PLACEMENT_TIMEOUT_S} s" in last, third.stderr[-2000:]
+    assert nightly_running  # it was the nightly run's engine that left no room
+    assert third_took < PLACEMENT_TIMEOUT_S + 60, third_took  # the bound, and the driver's start and exit
+    assert not third_out.exists() and not list(third_out.parent.glob(".out*"))  # nothing written, no staging
+    print(f"the third job's pool could not be placed: it stopped {third_took:.1f} s after it started: {last}")
     reports = {}
     for job, (proc, out, corpus, _) in runs.items():
         assert proc.returncode == 0, (corpus.parent / "run.log").read_text()[-3000:]
