@@ -570,6 +570,11 @@ class DebugConfig(_Section):
         "run has committed its first part (at most this long), as input that arrives while generation runs. "
         "Shows streaming without a fixed delay; a run with a barrier would wait out the bound.",
     )
+    hold_before_publish_s: float = Field(
+        0.0, ge=0.0,
+        description="Drills: once every row is written and the report staged, wait this long (logged) before "
+        "publishing, so that a drill can stop the object store while the run publishes.",
+    )
     kill_publish_at: Literal["journal", "backup", "swap", "clear", "cleared"] | None = Field(
         None, description="Drills, local outputs: kill the run (SIGKILL, as kill -9 would) right after this step "
         "of publishing: journal written, foreign output moved aside, swap done, first earlier file deleted, swapped-"

@@ -305,10 +305,16 @@ def _run(config: RunConfig, run_id: str, stopped: Literal["refuse", "resume", "r
             raise RunStopped(f"{why_stopped(e, target, store)}. {kept}, kept in {target.staging.root}: "
                              "run again with --resume to continue it") from e
         # 5. Publish; a failure here keeps the staging, which holds the complete output.
+        if hold := config.profile.debug.hold_before_publish_s:
+            log.warning("debug.hold_before_publish_s=%g: publishing %s in %g s", hold, job.output.path, hold)
+            time.sleep(hold)
         try:
             report.warnings += target.publish()
         except PublishError as e:
             unanswered = not target.local and store_unanswered(e) is not None
+            if unanswered:
+                raise PublishError(f"{e} The object store stopped answering: run again with --resume once it "
+                                   "answers, to publish it") from e
             raise
         report.publish.update(target.published)
     finally:

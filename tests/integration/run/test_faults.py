@@ -96,14 +96,17 @@ def test_a_full_disk_stops_the_run_naming_the_path_and_resume_finishes_after_spa
 
 
 STORE_TIMEOUT_S = 3.0  # store.request_timeout_s for the test: the bound is 3 tries of it
+HOLD_S = 5  # debug.hold_before_publish_s: the store is stopped during it
 
 
-def test_a_store_that_stops_answering_while_input_is_read_stops_the_run_within_the_bound(tmp_path, tiny_model,
-                                                                                          ray_tmp):
+def test_a_store_that_stops_answering_while_reading_or_publishing_stops_the_run_within_the_bound(tmp_path,
+                                                                                                   tiny_model,
+                                                                                                   ray_tmp):
     """moto in a process of its own, stopped (SIGSTOP) once the run has taken its output:
     the run's reads from it fail, and the run stops (exit 1) within the bound with a last
-    line that says so. The output an earlier run published there is untouched, and
-    `--resume`, once the store answers again, finishes with every id once."""
+    line that says so. `--resume` is then stopped the same way while it publishes. The
+    output an earlier run published there is untouched by both, and `--resume`, once the
+    store answers again, publishes with every id once."""
     endpoint, moto = start_moto(tmp_path)
     started = []
     try:
@@ -141,6 +144,27 @@ def test_a_store_that_stops_answering_while_input_is_read_stops_the_run_within_t
         assert took <= bound + 45, f"stopped {took:.0f} s after the store did"  # the bound, and Ray's shutdown
         assert {k: store.get(k) for k in store.keys("out/")} == before
 
+        # 2. --resume writes the rest, then holds before publishing; the store stops during
+        # the hold. The publish fails within the bound, the earlier output stays as it was.
+        publishing = tmp_path / "publishing.log"
+        proc, driver = start([*cmd, "--resume", "--set", f"debug.hold_before_publish_s={HOLD_S}"], ray_tmp,
+                             publishing, env=store.env)
+        wait_for("the run holding before it publishes",
+                 lambda: "debug.hold_before_publish_s" in publishing.read_text(), proc)
+        started += run_processes(driver, ray_tmp)
+        moto.send_signal(signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        proc.wait(timeout=300)
+        took_publishing = time.monotonic() - stopped_at
+        moto.send_signal(signal.SIGCONT)
+        log = publishing.read_text()
+        assert proc.returncode == EXIT_FAILED, log[-3000:]
+        last_publishing = log.strip().splitlines()[-1]
+        assert "publishing failed" in last_publishing and "--resume" in last_publishing, log[-3000:]
+        assert took_publishing <= HOLD_S + bound + 45, f"stopped {took_publishing:.0f} s after the store did"
+        assert {k: store.get(k) for k in store.keys("out/")} == before
+
+        # 3. --resume once the store answers: it publishes what the staging holds.
         resumed = subprocess.run([*cmd, "--resume"], cwd=REPO, capture_output=True, text=True, timeout=600,
                                  env={**os.environ, **store.env, "RAY_TMPDIR": ray_tmp})
         assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -151,7 +175,8 @@ def test_a_store_that_stops_answering_while_input_is_read_stops_the_run_within_t
         assert sorted(ids) == sorted(corpus.column("id").to_pylist())
         report = json.loads(store.get("out/_report.json"))
         assert report["publish"]["replaces_run"] == "run0"
-        print(f"stalled store: the run stopped {took:.1f} s after the store (bound {bound:g} s + shutdown): {last}")
+        print(f"stalled store: the run stopped {took:.1f} s after the store (bound {bound:g} s + shutdown): {last}; "
+              f"while publishing, {took_publishing:.1f} s (a {HOLD_S} s hold first): {last_publishing}")
     finally:
         end_all([p for p in started if p.is_running()])
         moto.send_signal(signal.SIGCONT)
