@@ -99,6 +99,18 @@ def run_processes(driver: psutil.Process, ray_tmp: str) -> list[psutil.Process]:
     return list(found.values())
 
 
+def committed_rows(out: Path) -> int:
+    """Rows in the commit markers of any staging of the local output `out` (a staging lies
+    beside its output, named after it)."""
+    total = 0
+    for marker in out.parent.glob(f".{out.name}.*.staging/commits/*.parquet"):
+        try:
+            total += pq.read_metadata(marker).num_rows
+        except (OSError, ValueError):
+            pass  # being written
+    return total
+
+
 def wait_for(what: str, check: Callable[[], object], proc: subprocess.Popen, timeout_s: float = 240) -> object:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -32,7 +32,7 @@ import pytest
 from pipeline.tools.dev.corpus import write_corpus
 from tests.helpers import REPO
 from tests.helpers.servers import servers_installed, start_pushgateway
-from tests.helpers.runs import JobRun, read_run, run_cli
+from tests.helpers.runs import JobRun, committed_rows, read_run, run_cli
 
 NODES = 2
 NODE_CPUS = 3  # logical: one engine, the prepare actor and reads per node never starve
@@ -312,17 +312,6 @@ def test_two_jobs_share_the_cluster_each_with_its_own_engine_output_and_metrics(
             assert {s.labels.get("job") for s in mine} == {job}
             done = sum(s.value for s in mine if s.name == "pipeline_rows_done_total")
             assert done == reports[job]["rows_in"], (job, done)  # documents: kb_ingest writes a row per passage
-
-
-def committed_rows(out: Path) -> int:
-    """Rows in the commit markers of any staging beside the output."""
-    total = 0
-    for marker in out.parent.glob(f".{out.name}.*.staging/commits/*.parquet"):
-        try:
-            total += pq.read_metadata(marker).num_rows
-        except (OSError, ValueError):
-            pass  # being written
-    return total
 
 
 def test_a_node_that_dies_mid_run_leaves_its_rows_to_the_engine_left(cluster, tiny_model, tmp_path):

@@ -2,8 +2,9 @@
 corpus over three nights, night 1 being the session's shared run (tests/integration/conftest.py).
 
 - night 2: 5% of the documents edited, 2% new, 1% removed, and one row that was an error
-  on night 1; exactly those are generated, every other row is night 1's. It is killed a
-  third of the way through and resumed: no committed row is generated or looked up again;
+  on night 1; exactly those are generated, every other row is night 1's. It is killed
+  once its first rows are committed and resumed: no committed row is generated or looked
+  up again;
 - the same corpus once more: every row reused, no engine started, the output whole;
 - night 3: another prompt template: every row generated.
 """
@@ -20,7 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.helpers import REPO
-from tests.helpers.runs import end_all, read_run, run_cli, run_processes, start, wait_for
+from tests.helpers.runs import committed_rows, end_all, read_run, run_cli, run_processes, start, wait_for
 
 JOB = REPO / "jobs/nightly_summarize.yaml"
 PROFILE = REPO / "conf/local.yaml"
@@ -70,38 +71,30 @@ def nights(job_run, tmp_path_factory, ray_tmp):
     out = tmp / "out" / "dt={date}"
     sets = keyed_sets(job_run)
     night2 = ["--date", "2026-11-02", "--input", str(path), "--output", str(out), "--reuse", str(flipped), *sets,
-              # Batch sizes change no key: input in 20-row batches, each 1 s slower, so
-              # that the run is still going when a third of its rows are committed.
-              "--set", "batching.prepare_batch_rows=20", "--set", "bucketing.window_rows=40"]
-    # Night 2 is killed (driver first, then every process of its Ray, by pid) once a third
-    # of its rows are committed, then resumed: resume and reuse compose.
+              # Batch sizes change no key. Blocks of 16 rows: a held window (below) must fill one.
+              "--set", "batching.prepare_batch_rows=20", "--set", "bucketing.window_rows=40",
+              "--set", "batching.generate_batch_rows=16"]
+    # Night 2 is killed (driver first, then every process of its Ray, by pid) once its first
+    # rows are committed, then resumed: resume and reuse compose. The rows after the first
+    # window are held until that commit, then read 1 s a batch: the kill comes while they are.
+    partition = tmp / "out" / "dt=2026-11-02"
     proc, driver = start([sys.executable, "-m", "pipeline", "run", str(JOB), "--profile", str(PROFILE), *night2,
-                          "--set", "debug.slow_prepare_s=1.0"], ray_tmp, tmp / "night2-killed.log")
-    everything = []
+                          "--set", "debug.hold_input_until_output_s=240", "--set", "debug.slow_prepare_s=1.0"],
+                         ray_tmp, tmp / "night2-killed.log")
     try:
-        wait_for("a third of night 2's rows committed", lambda: committed_rows(tmp / "out") >= len(rows) // 3, proc)
-        everything = run_processes(driver, ray_tmp)
-        driver.kill()
-        proc.wait(30)
+        wait_for("night 2's first rows committed", lambda: committed_rows(partition) > 0, proc)
     finally:
+        everything = run_processes(driver, ray_tmp)
+        if proc.poll() is None:
+            driver.kill()
+        proc.wait(30)
         end_all([p for p in everything if p.is_running()])
-    at_kill = committed_rows(tmp / "out")
+    at_kill = committed_rows(partition)
     resumed_at = time.time()
-    run = read_run(tmp / "out" / "dt=2026-11-02", path, run_cli(JOB, PROFILE, *night2, "--resume"))
+    run = read_run(partition, path, run_cli(JOB, PROFILE, *night2, "--resume"))
     return {"run": run, "night1": night1, "failed": failed, "edited": edited, "new": {r["id"] for r in new},
             "removed": removed, "corpus": path, "out": out, "sets": sets, "tmp": tmp, "at_kill": at_kill,
             "resumed_at": resumed_at}
-
-
-def committed_rows(out_parent) -> int:
-    """Rows in the commit markers of any staging in `out_parent` (a partition's staging lies beside it)."""
-    total = 0
-    for marker in out_parent.glob(".*.staging/commits/*.parquet"):
-        try:
-            total += pq.read_metadata(marker).num_rows
-        except (OSError, ValueError):
-            pass  # being written
-    return total
 
 
 def test_night_2_generates_exactly_the_edited_new_and_failed_rows(nights):

@@ -29,7 +29,7 @@ import pytest
 
 from pipeline.tools.dev.corpus import write_corpus
 from tests.helpers import REPO
-from tests.helpers.runs import end_all, run_processes, start, wait_for
+from tests.helpers.runs import committed_rows, end_all, run_processes, start, wait_for
 
 FILES, ROWS_PER_FILE = 30, 20  # 600 rows, one tokenizing batch per file
 STALL_TIMEOUT_S = 6
@@ -67,15 +67,6 @@ def command(tmp: Path, tiny_model: Path, *extra: str, slow_s: float = 5.0) -> li
     ]
 
 
-def committed_rows(tmp: Path) -> int:
-    """Rows in the commit markers of any staging beside the output."""
-    total = 0
-    for marker in tmp.glob(".out.*.staging/commits/*.parquet"):
-        try:
-            total += pq.read_metadata(marker).num_rows
-        except (OSError, ValueError):
-            pass  # being written
-    return total
 
 
 
@@ -113,13 +104,13 @@ def resumed(tiny_model, tmp_path_factory, ray_tmp) -> Iterator[Resumed]:
     try:
         # 1. Killed outright, driver first, once a third of the rows are committed.
         proc, driver = start(command(tmp, tiny_model, slow_s=1.5), ray_tmp, tmp / "killed.log")
-        wait_for("a third of the rows committed", lambda: committed_rows(tmp) >= len(ids) // 3, proc)
+        wait_for("a third of the rows committed", lambda: committed_rows(tmp / "out") >= len(ids) // 3, proc)
         everything = run_processes(driver, ray_tmp)
         started += everything
         driver.kill()
         proc.wait(30)
         end_all(everything)
-        at_kill = committed_rows(tmp)
+        at_kill = committed_rows(tmp / "out")
 
         # Without --resume the next run stops, naming the stopped run and its progress.
         refused = subprocess.run(command(tmp, tiny_model), cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -135,8 +126,8 @@ def resumed(tiny_model, tmp_path_factory, ray_tmp) -> Iterator[Resumed]:
             fresh = wait_for(f"a fresh engine core to {kind}", lambda: [
                 c for c in engine_cores(driver) if c.pid not in killed.values() and c.ppid() not in killed.values()
             ], proc)
-            core, base = fresh[0], committed_rows(tmp)
-            wait_for(f"rows committed by engine core {core.pid}", lambda: committed_rows(tmp) > base, proc)
+            core, base = fresh[0], committed_rows(tmp / "out")
+            wait_for(f"rows committed by engine core {core.pid}", lambda: committed_rows(tmp / "out") > base, proc)
             started += run_processes(driver, ray_tmp)
             if kind == "actor":
                 killed[kind] = core.ppid()  # the engine actor's process: the core's parent
