@@ -46,7 +46,7 @@ class Resumed:
     killed: dict[str, int]  # what the test killed or stopped in the resumed run: kind -> pid
 
 
-def command(tmp: Path, tiny_model: Path, *extra: str, slow_s: float = 5.0) -> list[str]:
+def command(tmp: Path, tiny_model: Path, *extra: str, slow_s: float = 9.0) -> list[str]:
     return [
         sys.executable, "-m", "pipeline", "run", str(REPO / "jobs/nightly_summarize.yaml"),
         "--profile", str(REPO / "conf/local.yaml"),
@@ -60,8 +60,8 @@ def command(tmp: Path, tiny_model: Path, *extra: str, slow_s: float = 5.0) -> li
         "--set", "engine.in_process=false",
         # Input that arrives slowly (`slow_s` per file): the run lasts long enough to be killed
         # mid-way (30 files, 1.5 s each: over a minute with the engine's start), and the resumed
-        # run has rows waiting through its three restarts (20 files, 5 s each: at 3 s, a loaded
-        # CI machine once saw the run end before the third).
+        # run has rows waiting through its three restarts (20 files, 9 s each: at 3 s, a loaded
+        # CI machine once saw the run end before the third; at 5 s, so did the slower AMD one).
         "--set", f"debug.slow_prepare_s={slow_s}",
         *extra,
     ]
@@ -101,9 +101,11 @@ def resumed(tiny_model, tmp_path_factory, ray_tmp) -> Iterator[Resumed]:
         pq.write_table(whole.slice(k * ROWS_PER_FILE, ROWS_PER_FILE), tmp / "in" / f"part-{k:02d}.parquet")
     ids = whole.column("id").to_pylist()
     started: list[psutil.Process] = []
+    runs: list[tuple[subprocess.Popen, psutil.Process]] = []  # each run's process and driver, ended if left
     try:
         # 1. Killed outright, driver first, once a third of the rows are committed.
         proc, driver = start(command(tmp, tiny_model, slow_s=1.5), ray_tmp, tmp / "killed.log")
+        runs.append((proc, driver))
         wait_for("a third of the rows committed", lambda: committed_rows(tmp / "out") >= len(ids) // 3, proc)
         everything = run_processes(driver, ray_tmp)
         started += everything
@@ -119,6 +121,7 @@ def resumed(tiny_model, tmp_path_factory, ray_tmp) -> Iterator[Resumed]:
         proc, driver = start(command(tmp, tiny_model, "--resume", "--set", "engine.max_restarts=4",
                                      "--set", f"engine.stall_timeout_s={STALL_TIMEOUT_S}"), ray_tmp,
                              tmp / "resumed.log")
+        runs.append((proc, driver))
         killed: dict[str, int] = {}
         for kind in ("actor", "core", "stop"):
             # An engine serving rows: a core none of the kills so far touched, and parts
@@ -143,6 +146,11 @@ def resumed(tiny_model, tmp_path_factory, ray_tmp) -> Iterator[Resumed]:
         report = json.loads((tmp / "out" / "_report.json").read_text()) if proc.returncode == 0 else {}
         yield Resumed(ids, at_kill, refused, result, report, tmp / "out", killed)
     finally:
+        for proc, driver in runs:  # a run a failed wait left going: it and its Ray, by pid
+            if proc.poll() is None:
+                started += run_processes(driver, ray_tmp)
+                driver.kill()
+                proc.wait(30)
         end_all([p for p in started if p.is_running()])
 
 
