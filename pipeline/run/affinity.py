@@ -8,6 +8,11 @@ driver, Ray's own processes, the prepare actor, the write tasks. Measured on 2
 cores (bench/README.md, "Engine steps"), they cost the engine a fifth of its
 steady rate: the worker, preempted, ran at three quarters of its core.
 
+An engine core in the actor's own process (`engine.in_process`, the CPU default)
+has no worker of its own: there, with one engine on the machine, the actor binds
+its own process to every CPU but the last, as vLLM's automatic binding would bind
+its worker (`pipeline.run.plan.engine_cpus`), and reports itself as the worker.
+
 So once every engine is up (each reports where its workers are bound, through
 the pool's log; not before the last, whose start must not be narrowed), a thread
 of the driver narrows every other process of the run's
@@ -32,21 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-
-def narrow(pid: int, cpus: set[int]) -> bool:
-    """Every thread of `pid` to `cpus`; False if the process is gone or not ours to change."""
-    try:
-        threads = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return False
-    done = False
-    for tid in threads:
-        try:
-            os.sched_setaffinity(int(tid), cpus)
-            done = True
-        except OSError:  # a thread that ended meanwhile, or not ours
-            continue
-    return done
+from pipeline.generation.vllm import bind_threads as narrow
 
 
 @dataclass

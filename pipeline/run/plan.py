@@ -8,6 +8,7 @@ config key that moves changes here and in the config models, nowhere else.
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,20 @@ def engine_kwargs(model: str, engine: EngineConfig, seed: int | None) -> dict[st
 
 
 CORE_DRILLS = ("engine_oom_death", "engine_crash")  # debug faults that kill the engine core's process
+
+
+def engine_cpus(profile: ProfileConfig) -> tuple[int, ...] | None:
+    """The CPUs an engine in its actor's process binds itself to (`VLLMSettings.bind_cpus`):
+    every CPU this process may use but the last, which the run's other processes keep,
+    as vLLM's automatic binding keeps the last for everything but its worker. Only for
+    one engine of a local CPU run with `hardware.isolate_engine_cpus` on (several in one
+    machine would share those cores: they stay unbound), and only with a CPU to spare."""
+    hw = profile.hardware
+    if not (hw.accelerator == "cpu" and not hw.ray_address and hw.isolate_engine_cpus and hw.num_engines == 1
+            and profile.engine.backend == "vllm" and engine_in_process(profile)):
+        return None
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    return tuple(cpus[:-1]) if len(cpus) >= 2 else None
 
 
 def engine_in_process(profile: ProfileConfig) -> bool:
@@ -167,7 +182,8 @@ def generate_settings(config: RunConfig, prepare: PrepareSettings, run_id: str,
         run_id=run_id,
         model_name=profile.model.name,
         engine=replace(vllm_settings(prepare.model_path, profile.engine, job.sampling.seed),
-                       step_timeline=profile.debug.step_timeline, in_process=engine_in_process(profile)),
+                       step_timeline=profile.debug.step_timeline, in_process=engine_in_process(profile),
+                       bind_cpus=engine_cpus(profile)),
         backend=profile.engine.backend,
         hf=hf_settings(prepare.model_path, profile.engine, job.sampling.seed),
         server=server_settings(prepare.model_path, profile.engine),
