@@ -21,10 +21,12 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+import tempfile
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import IO, Any
 
 from pipeline.generation.engine import Completion, EngineDead, Sampling
 from pipeline.generation.vllm_steps import StepTap, StepTimeline
@@ -44,7 +46,8 @@ class VLLMSettings:
     cpu_kvcache_space_gib: float | None = None
     step_timeline: bool = False  # record each step's start, duration and load (`StepTimeline`)
     in_process: bool = False  # the engine core in this process (`engine.in_process`), not in its own
-    # In this process: the CPUs its model runs on (`bind_cpus`; `pipeline.run.plan.engine_cpus`).
+    # In this process: the run's CPUs, all but one of which its model takes, where no other
+    # engine of this machine holds them (`claim_cpus`; `pipeline.run.plan.engine_cpus`).
     bind_cpus: tuple[int, ...] | None = None
 
 
@@ -79,6 +82,35 @@ def bind_threads(pid: int, cpus: set[int]) -> bool:
         except OSError:  # a thread that ended meanwhile, or not ours
             continue
     return done
+
+
+# One lock file per CPU, machine-wide: the engines that bound themselves to it.
+CPU_CLAIMS = Path(tempfile.gettempdir()) / "pipeline-engine-cpus"
+
+
+def claim_cpus(candidates: Sequence[int], count: int, claims: Path = CPU_CLAIMS) -> tuple[list[int], list[IO[str]]]:
+    """Up to `count` of `candidates`, in order, that no other engine of this machine holds:
+    an exclusive lock on a file per CPU, held as long as the files returned are open
+    (the kernel drops it when the process ends, however it ends). Two runs at once on
+    one machine then bind their engines to different cores, not both to the first (as
+    vLLM's own binding does for engines it does not know of)."""
+    import fcntl
+
+    claims.mkdir(parents=True, exist_ok=True)
+    got: list[int] = []
+    held: list[IO[str]] = []
+    for cpu in candidates:
+        if len(got) == count:
+            break
+        f = open(claims / f"cpu{cpu}.lock", "a")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # another engine's
+            f.close()
+            continue
+        got.append(cpu)
+        held.append(f)
+    return got, held
 
 
 @contextmanager
@@ -142,6 +174,7 @@ class VLLMEngine:
         # debug.step_timeline: every step's time and load, across rebuilds too.
         self.timeline = StepTimeline() if settings.step_timeline else None
         self._bound: list[int] = []  # the CPUs this process was bound to (`bind_cpus`)
+        self._claims: list[IO[str]] = []  # their locks (`claim_cpus`), held while this process lives
         self._build()
 
     # -- lifecycle ---------------------------------------------------------------
@@ -196,14 +229,22 @@ class VLLMEngine:
         self._steps = StepTap(self._engine, self.timeline)  # KV usage, preemptions, prefix cache: per step
         self._watch_for_death()
         if self.settings.in_process and self.settings.bind_cpus:
-            self._bind(set(self.settings.bind_cpus))
+            self._bind(self.settings.bind_cpus)
 
-    def _bind(self, cpus: set[int]) -> None:
-        """The model runs in this process: every thread of it to `cpus`, as vLLM binds a
-        worker of its own (its threads created later inherit them). Unbound, the step
-        thread ran beside the run's other processes on every core, and each step took
-        1.13-1.16x raw vLLM's, bound 0.93-1.03x (bench/README, *Engine steps*)."""
-        if bind_threads(os.getpid(), cpus):
+    def _bind(self, run_cpus: Sequence[int]) -> None:
+        """The model runs in this process: every thread of it to all but one of the run's
+        CPUs that no other engine holds, as vLLM binds a worker of its own (threads created
+        later inherit them; a rebuild binds the same again). Unbound, the step thread ran
+        beside the run's other processes on every core, and each step took 1.13-1.16x raw
+        vLLM's; bound, 0.93-1.03x (bench/README, *Engine steps*)."""
+        if not self._claims:
+            cpus, self._claims = claim_cpus(run_cpus, len(run_cpus) - 1)
+            if not cpus:
+                log.info("every CPU of this run is another engine's: the engine's process stays unbound")
+                return
+        else:
+            cpus = self._bound
+        if bind_threads(os.getpid(), set(cpus)):
             self._bound = sorted(os.sched_getaffinity(0))
 
     def _watch_for_death(self) -> None:

@@ -84,17 +84,19 @@ CORE_DRILLS = ("engine_oom_death", "engine_crash")  # debug faults that kill the
 
 
 def engine_cpus(profile: ProfileConfig) -> tuple[int, ...] | None:
-    """The CPUs an engine in its actor's process binds itself to (`VLLMSettings.bind_cpus`):
-    every CPU this process may use but the last, which the run's other processes keep,
-    as vLLM's automatic binding keeps the last for everything but its worker. Only for
-    one engine of a local CPU run with `hardware.isolate_engine_cpus` on (several in one
-    machine would share those cores: they stay unbound), and only with a CPU to spare."""
+    """The CPUs among which an engine in its actor's process binds itself
+    (`VLLMSettings.bind_cpus`): every CPU this process may use. The engine takes all but
+    one of them, the first that no other engine of the machine holds, and the run's other
+    processes keep the rest, as vLLM's automatic binding keeps the last CPU for all but
+    its worker. Only for one engine of a local CPU run with `hardware.isolate_engine_cpus`
+    on (several of one run would share those cores: they stay unbound), and only with a
+    CPU to spare."""
     hw = profile.hardware
     if not (hw.accelerator == "cpu" and not hw.ray_address and hw.isolate_engine_cpus and hw.num_engines == 1
             and profile.engine.backend == "vllm" and engine_in_process(profile)):
         return None
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    return tuple(cpus[:-1]) if len(cpus) >= 2 else None
+    return tuple(cpus) if len(cpus) >= 2 else None
 
 
 def engine_in_process(profile: ProfileConfig) -> bool:

@@ -49,19 +49,20 @@ def test_the_engine_core_runs_in_the_actors_process_on_a_cpu_and_apart_on_a_gpu(
     assert settings.engine.in_process
 
 
-def test_one_engine_in_its_actors_process_is_bound_to_every_cpu_but_the_last(monkeypatch):
-    """As vLLM binds a worker of its own: the engine gets every CPU the run may use but
-    the last, which the run's other processes keep (bench/README, *Engine steps*). Not
-    with several engines on the machine, a cluster, a GPU, the core apart, or the guard off."""
+def test_one_engine_in_its_actors_process_binds_itself_among_the_runs_cpus(monkeypatch):
+    """As vLLM binds a worker of its own, the engine takes all but one of the CPUs the run
+    may use (`claim_cpus`), and the run's other processes keep the rest (bench/README,
+    *Engine steps*). Not with several engines in the run, a cluster, a GPU, the core
+    apart, or the guard off."""
     import os
 
     from pipeline.run import plan
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     local = load_run_config(JOB, LOCAL)
-    assert plan.engine_cpus(local.profile) == (0, 1, 2)
+    assert plan.engine_cpus(local.profile) == (0, 1, 2, 3)
     settings = plan.generate_settings(local, plan.prepare_settings(local, "m", 2048), "run")
-    assert settings.engine.bind_cpus == (0, 1, 2) and settings.engine.in_process
+    assert settings.engine.bind_cpus == (0, 1, 2, 3) and settings.engine.in_process
     for sets in (["hardware.num_engines=2"], ["hardware.ray_address=auto"], ["engine.in_process=false"],
                  ["hardware.isolate_engine_cpus=false"]):
         assert plan.engine_cpus(load_run_config(JOB, LOCAL, sets).profile) is None, sets
