@@ -174,7 +174,8 @@ class VLLMEngine:
         # debug.step_timeline: every step's time and load, across rebuilds too.
         self.timeline = StepTimeline() if settings.step_timeline else None
         self._bound: list[int] = []  # the CPUs this process was bound to (`bind_cpus`)
-        self._claims: list[IO[str]] = []  # their locks (`claim_cpus`), held while this process lives
+        self._cpus: list[int] = []  # the CPUs claimed for it (`claim_cpus`) ...
+        self._claims: list[IO[str]] = []  # ... and their locks, held while this process lives
         self._build()
 
     # -- lifecycle ---------------------------------------------------------------
@@ -238,14 +239,11 @@ class VLLMEngine:
         beside the run's other processes on every core, and each step took 1.13-1.16x raw
         vLLM's; bound, 0.93-1.03x (bench/README, *Engine steps*)."""
         if not self._claims:
-            cpus, self._claims = claim_cpus(run_cpus, len(run_cpus) - 1)
-            if not cpus:
-                log.info("every CPU of this run is another engine's: the engine's process stays unbound")
-                return
-        else:
-            cpus = self._bound
-        if bind_threads(os.getpid(), set(cpus)):
-            self._bound = sorted(os.sched_getaffinity(0))
+            self._cpus, self._claims = claim_cpus(run_cpus, len(run_cpus) - 1)
+        if not self._cpus:
+            log.info("every CPU of this run is another engine's: the engine's process stays unbound")
+        elif bind_threads(os.getpid(), set(self._cpus)):
+            self._bound = self._cpus
 
     def _watch_for_death(self) -> None:
         """Turn a silently dead engine core into an error instead of a hang.

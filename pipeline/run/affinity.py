@@ -9,9 +9,10 @@ cores (bench/README.md, "Engine steps"), they cost the engine a fifth of its
 steady rate: the worker, preempted, ran at three quarters of its core.
 
 An engine core in the actor's own process (`engine.in_process`, the CPU default)
-has no worker of its own: there, with one engine on the machine, the actor binds
-its own process to every CPU but the last, as vLLM's automatic binding would bind
-its worker (`pipeline.run.plan.engine_cpus`), and reports itself as the worker.
+has no worker of its own: there, where it is the run's one engine, the actor binds
+its own process to all but one of the run's CPUs that no other engine of the machine
+holds, as vLLM's automatic binding would bind its worker
+(`pipeline.run.plan.engine_cpus`), and reports itself as the worker.
 
 So once every engine is up (each reports where its workers are bound, through
 the pool's log; not before the last, whose start must not be narrowed), a thread
@@ -37,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.generation.vllm import bind_threads as narrow
+from pipeline.generation.vllm import bind_threads
 
 
 @dataclass
@@ -64,7 +65,7 @@ class EngineCpuGuard:
         if self._thread is not None:
             self._thread.join(timeout=10)
         if os.getpid() in self.moved:
-            narrow(os.getpid(), self.allowed)
+            bind_threads(os.getpid(), self.allowed)
 
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):
@@ -96,7 +97,7 @@ class EngineCpuGuard:
                 continue
             if cpus <= others or cpus <= engine:  # done already, or bound among the engines' cores
                 continue
-            if narrow(p.pid, others):
+            if bind_threads(p.pid, others):
                 self.moved.add(p.pid)
 
     def summary(self) -> dict[str, Any] | None:

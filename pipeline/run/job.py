@@ -45,8 +45,8 @@ from pipeline.storage.inputs import InputError, check_inputs, duplicate_ids
 from pipeline.observe.metrics import RunLabels, RunMetrics, Watch
 from pipeline.storage.fs import store_env
 from pipeline.storage.output import OutputTarget, PublishError
-from pipeline.run.plan import (engine_cpus, engine_description, engine_in_process, generate_settings, prepare_settings,
-                               resolve_dtype, result_keys)
+from pipeline.run.plan import (engine_description, generate_settings, keeps_engine_cpus_apart,
+                               prepare_settings, resolve_dtype, result_keys)
 from pipeline.run.affinity import EngineCpuGuard
 from pipeline.run.pool import EnginePool, end_engine_processes, runtime_env
 from pipeline.observe.progress import progress_for
@@ -454,11 +454,7 @@ def run_dataset(ctx: RunContext, ds: Any, prepare: PrepareSettings, target: Outp
     hw = config.profile.hardware
     metrics.attach(pool.gate.metrics)
     guard = None
-    # An engine core apart has workers bound to cores of their own; one in its actor's
-    # process binds that process where it is the machine's one engine (`engine_cpus`).
-    # Several in their actors' processes are bound to nothing: nothing to keep apart.
-    if (hw.accelerator == "cpu" and not hw.ray_address and hw.isolate_engine_cpus and engine.backend == "vllm"
-            and (not engine_in_process(config.profile) or engine_cpus(config.profile))):
+    if keeps_engine_cpus_apart(config.profile):
         guard = EngineCpuGuard(pool.gate.worker_cpus, engines=hw.num_engines)
         guard.start()
     try:

@@ -83,6 +83,14 @@ def engine_kwargs(model: str, engine: EngineConfig, seed: int | None) -> dict[st
 CORE_DRILLS = ("engine_oom_death", "engine_crash")  # debug faults that kill the engine core's process
 
 
+def _local_cpu_vllm(profile: ProfileConfig) -> bool:
+    """vLLM's CPU backend on a local Ray, with `hardware.isolate_engine_cpus` on: where the
+    run keeps its engines' cores apart (`pipeline/run/affinity.py`)."""
+    hw = profile.hardware
+    return (hw.accelerator == "cpu" and not hw.ray_address and hw.isolate_engine_cpus
+            and profile.engine.backend == "vllm")
+
+
 def engine_cpus(profile: ProfileConfig) -> tuple[int, ...] | None:
     """The CPUs among which an engine in its actor's process binds itself
     (`VLLMSettings.bind_cpus`): every CPU this process may use. The engine takes all but
@@ -91,12 +99,18 @@ def engine_cpus(profile: ProfileConfig) -> tuple[int, ...] | None:
     its worker. Only for one engine of a local CPU run with `hardware.isolate_engine_cpus`
     on (several of one run would share those cores: they stay unbound), and only with a
     CPU to spare."""
-    hw = profile.hardware
-    if not (hw.accelerator == "cpu" and not hw.ray_address and hw.isolate_engine_cpus and hw.num_engines == 1
-            and profile.engine.backend == "vllm" and engine_in_process(profile)):
+    if not (_local_cpu_vllm(profile) and profile.hardware.num_engines == 1 and engine_in_process(profile)):
         return None
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     return tuple(cpus) if len(cpus) >= 2 else None
+
+
+def keeps_engine_cpus_apart(profile: ProfileConfig) -> bool:
+    """Whether the driver keeps the run's other processes off its engines' cores
+    (`EngineCpuGuard`): an engine core apart has workers vLLM binds to cores of their own;
+    one in its actor's process binds that process where it is the run's one engine
+    (`engine_cpus`). Several in their actors' processes are bound to nothing."""
+    return _local_cpu_vllm(profile) and (not engine_in_process(profile) or engine_cpus(profile) is not None)
 
 
 def engine_in_process(profile: ProfileConfig) -> bool:

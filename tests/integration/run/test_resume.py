@@ -67,10 +67,6 @@ def command(tmp: Path, tiny_model: Path, *extra: str, slow_s: float = 9.0) -> li
     ]
 
 
-
-
-
-
 def engine_cores(driver: psutil.Process) -> list[psutil.Process]:
     """The engine cores of this run's live engine actors (a core whose actor just died
     may outlive it for a moment: not one of these)."""

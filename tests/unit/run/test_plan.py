@@ -67,5 +67,10 @@ def test_one_engine_in_its_actors_process_binds_itself_among_the_runs_cpus(monke
                  ["hardware.isolate_engine_cpus=false"]):
         assert plan.engine_cpus(load_run_config(JOB, LOCAL, sets).profile) is None, sets
     assert plan.engine_cpus(load_run_config(JOB, GPU, ["engine.in_process=true"]).profile) is None
+    # The driver keeps the others off the engine's cores where it is bound, or where the core runs apart.
+    assert plan.keeps_engine_cpus_apart(local.profile)
+    assert plan.keeps_engine_cpus_apart(load_run_config(JOB, LOCAL, ["engine.in_process=false"]).profile)
+    assert not plan.keeps_engine_cpus_apart(load_run_config(JOB, LOCAL, ["hardware.num_engines=2"]).profile)
+    assert not plan.keeps_engine_cpus_apart(load_run_config(JOB, LOCAL, ["hardware.isolate_engine_cpus=false"]).profile)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
     assert plan.engine_cpus(local.profile) is None  # one CPU: none to spare
