@@ -134,6 +134,17 @@ def every_cpu() -> Iterator[None]:
         os.sched_setaffinity(0, mine)
 
 
+def preload(warn_once: WarnOnce | None = None) -> None:
+    """Import vLLM without starting an engine: about 10 s on 2 cores, which an engine that
+    starts on demand (reuse on: once the lookup finds a row to generate) spends while it
+    waits instead of after. What vLLM prints meanwhile is judged as at a start-up."""
+    tee = EngineLogTee(warn_once)
+    try:
+        from vllm import LLM  # noqa: F401
+    finally:
+        tee.stop()
+
+
 def first_token_s(output: Any) -> float | None:
     """Arrival to first token, as vLLM measured it for the request (its stats are on:
     `disable_log_stats` false); None where it did not."""

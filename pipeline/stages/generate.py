@@ -62,7 +62,7 @@ from pipeline.generation.tasks import (Annotation, AnnotationTask, BatchCalls, C
                                        map_reduce, summarize)
 from pipeline.generation.hf import HFSettings, TransformersEngine
 from pipeline.generation.server import ServerEngine, ServerSettings
-from pipeline.generation.vllm import VLLMEngine, VLLMSettings
+from pipeline.generation.vllm import VLLMEngine, VLLMSettings, preload
 from pipeline.generation.vllm_logs import python_warnings_once
 from pipeline.text.length import char_span, windows
 from pipeline.observe.metrics import EngineMeter, MeterSources, engine_name
@@ -356,8 +356,16 @@ class GenerateStage:
             self.life.watch(self.feeder.stalled_s, settings.stall_timeout_s, self._kill_core())
 
     def _start_on_work(self) -> None:
+        settings = self.settings
         try:
-            self.settings.pool_gate.await_work()
+            # vLLM's import is no engine: done while the lookup runs (about 10 s sooner to the
+            # first call of a night with few rows to generate), under the lock a batch that
+            # needs the engine first builds it under, so that their log tees do not overlap.
+            with self._starting:
+                if settings.backend == "vllm" and self.engine is None:
+                    gate = settings.pool_gate
+                    preload(gate.first_time if settings.quiet_warnings and hasattr(gate, "first_time") else None)
+            settings.pool_gate.await_work()
             with self._starting:
                 if self.engine is None:
                     self._start_engine()

@@ -10,6 +10,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -31,6 +32,7 @@ JOB = REPO / "jobs/nightly_summarize.yaml"
 LOCAL = REPO / "conf/local.yaml"
 ROWS, FILE_ROWS = 240, 20
 BLOB_BYTES = 24_000  # a pass-through column that carries most of each row's bytes
+FULL_DISK_BOUND_S = 30.0  # a run stops within this of its output's disk filling (docs/reliability.md)
 
 
 def heavy_corpus(folder: Path) -> pa.Table:
@@ -44,6 +46,32 @@ def heavy_corpus(folder: Path) -> pa.Table:
     for k in range(0, ROWS, FILE_ROWS):
         pq.write_table(corpus.slice(k, FILE_ROWS), folder / f"part-{k // FILE_ROWS:02d}.parquet")
     return corpus
+
+
+class FullWatch:
+    """When a filesystem first had less than `below` bytes free: polled from a thread, so the
+    time the run took to stop after its disk filled can be bounded."""
+
+    def __init__(self, path: Path, below: int = 256 * 2**10, every_s: float = 0.05):
+        self.path, self.below, self.every_s = path, below, every_s
+        self.full_at: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self) -> None:
+        while not self._stop.is_set() and self.full_at is None:
+            st = os.statvfs(self.path)
+            if st.f_bavail * st.f_frsize < self.below:
+                self.full_at = time.monotonic()
+            self._stop.wait(self.every_s)
+
+    def __enter__(self) -> "FullWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 @pytest.fixture
@@ -71,9 +99,13 @@ def test_a_full_disk_stops_the_run_naming_the_path_and_resume_finishes_after_spa
             "--set", "bucketing.window_rows=40", "--set", "sampling.max_new_tokens=8"]
 
     started = time.monotonic()
-    first = run_cli(JOB, LOCAL, "--input", str(tmp_path / "heavy"), "--output", str(out), *sets)
-    took = time.monotonic() - started
+    with FullWatch(small_disk) as disk:
+        first = run_cli(JOB, LOCAL, "--input", str(tmp_path / "heavy"), "--output", str(out), *sets)
+    ended = time.monotonic()
+    took = ended - started
     assert first.returncode == EXIT_FAILED, first.stderr[-3000:]
+    assert disk.full_at is not None  # the run stopped because the disk filled, not before
+    assert ended - disk.full_at < FULL_DISK_BOUND_S, (ended - disk.full_at, first.stderr[-3000:])
     last = first.stderr.strip().splitlines()[-1]
     assert "no space" in last.lower() and str(small_disk) in last, first.stderr[-3000:]
     assert "--resume" in last
@@ -92,7 +124,8 @@ def test_a_full_disk_stops_the_run_naming_the_path_and_resume_finishes_after_spa
     written = pq.read_table(out)
     assert sorted(written.column("id").to_pylist()) == sorted(corpus.column("id").to_pylist())  # each once
     assert pc.all(pc.equal(written.sort_by("id").column("blob"), corpus.sort_by("id").column("blob"))).as_py()
-    print(f"full disk: stopped after {took:.1f} s with {committed.rows} of {ROWS} rows committed: {last}")
+    print(f"full disk: stopped {ended - disk.full_at:.1f} s after the disk filled ({took:.1f} s after it began), "
+          f"with {committed.rows} of {ROWS} rows committed: {last}")
 
 
 STORE_TIMEOUT_S = 3.0  # store.request_timeout_s for the test: the bound is 3 tries of it

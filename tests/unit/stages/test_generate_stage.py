@@ -5,6 +5,7 @@ run on real vLLM in tests/integration (test_kb_ingest, test_outliers, test_adapt
 
 import json
 import threading
+import time
 
 import pyarrow as pa
 import pytest
@@ -276,3 +277,57 @@ def test_with_every_row_reused_no_engine_starts_until_a_row_needs_one(tiny_model
     out = lazy(looked_up(prepared, {0: "one"}))
     assert len(built) == 1 and lazy.engine is built[0] and len(built[0].submitted) == 2
     assert out.column("summary").to_pylist() == ["one", "fresh", "fresh"]
+
+
+class WorkGate:
+    """A pool gate whose reuse lookup has found no row to generate until `found` is set."""
+
+    def __init__(self, order):
+        self.order, self.found = order, threading.Event()
+
+    def wait(self):
+        return None
+
+    def first_time(self, key):
+        return True
+
+    def await_work(self):
+        self.order.append("await_work")
+        self.found.wait(30)
+
+    def hold(self, actor, block, rows):
+        pass
+
+    def release(self, actor, block):
+        pass
+
+
+def test_an_engine_on_demand_imports_vllm_while_it_waits_and_starts_once_work_is_found(tiny_model, monkeypatch):
+    """vLLM's import (about 10 s on 2 cores) is no engine: it is done before the wait for
+    work, not after; the engine itself is built only once the lookup has found a row."""
+    from dataclasses import replace
+
+    import pipeline.stages.generate as generate_module
+
+    order = []
+    monkeypatch.setattr(generate_module, "preload", lambda warn_once: order.append("preload"))
+    _, generate = stages(tiny_model, "jobs/nightly_summarize.yaml", [], FakeEngine())
+    assert generate.settings.backend == "vllm"
+    gate = WorkGate(order)
+    lazy = GenerateStage(replace(generate.settings, engine_on_demand=True, pool_gate=gate))
+    built = []
+
+    def build(settings, warn_once):
+        order.append("build")
+        built.append(FakeEngine())
+        return built[-1]
+
+    lazy._build_engine = build
+    deadline = time.monotonic() + 10
+    while "await_work" not in order and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert order == ["preload", "await_work"] and lazy.engine is None
+    gate.found.set()
+    while lazy.engine is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert order == ["preload", "await_work", "build"] and lazy.engine is built[0]
