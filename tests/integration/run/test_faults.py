@@ -10,7 +10,6 @@ import random
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -48,32 +47,6 @@ def heavy_corpus(folder: Path) -> pa.Table:
     return corpus
 
 
-class FullWatch:
-    """When a filesystem first had less than `below` bytes free: polled from a thread, so the
-    time the run took to stop after its disk filled can be bounded."""
-
-    def __init__(self, path: Path, below: int = 256 * 2**10, every_s: float = 0.05):
-        self.path, self.below, self.every_s = path, below, every_s
-        self.full_at: float | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-
-    def _watch(self) -> None:
-        while not self._stop.is_set() and self.full_at is None:
-            st = os.statvfs(self.path)
-            if st.f_bavail * st.f_frsize < self.below:
-                self.full_at = time.monotonic()
-            self._stop.wait(self.every_s)
-
-    def __enter__(self) -> "FullWatch":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
 @pytest.fixture
 def small_disk(tmp_path):
     """A real 8 MiB filesystem (tmpfs), unmounted after the test; needs root, as CI has."""
@@ -98,14 +71,10 @@ def test_a_full_disk_stops_the_run_naming_the_path_and_resume_finishes_after_spa
             "--set", f"batching.prepare_batch_rows={FILE_ROWS}", "--set", "batching.generate_batch_rows=16",
             "--set", "bucketing.window_rows=40", "--set", "sampling.max_new_tokens=8"]
 
-    started = time.monotonic()
-    with FullWatch(small_disk) as disk:
-        first = run_cli(JOB, LOCAL, "--input", str(tmp_path / "heavy"), "--output", str(out), *sets)
-    ended = time.monotonic()
-    took = ended - started
+    started = time.time()
+    first = run_cli(JOB, LOCAL, "--input", str(tmp_path / "heavy"), "--output", str(out), *sets)
+    ended = time.time()
     assert first.returncode == EXIT_FAILED, first.stderr[-3000:]
-    assert disk.full_at is not None  # the run stopped because the disk filled, not before
-    assert ended - disk.full_at < FULL_DISK_BOUND_S, (ended - disk.full_at, first.stderr[-3000:])
     last = first.stderr.strip().splitlines()[-1]
     assert "no space" in last.lower() and str(small_disk) in last, first.stderr[-3000:]
     assert "--resume" in last
@@ -115,6 +84,11 @@ def test_a_full_disk_stops_the_run_naming_the_path_and_resume_finishes_after_spa
     assert 0 < committed.rows < ROWS
     for part in committed.files:  # every committed part is whole
         assert pq.read_table(staging / "output" / part).num_rows > 0
+    # The disk filled while a part after the last committed one was written: the run
+    # stopped within the bound of that (a watch on the free space misses the moment,
+    # as the part cut off is removed at once).
+    after_last = ended - max(m.stat().st_mtime for m in (staging / "commits").iterdir())
+    assert after_last < FULL_DISK_BOUND_S, after_last
     assert filler.stat().st_size == 5 * 2**20  # not ours: untouched
 
     filler.unlink()  # the user frees space
@@ -124,8 +98,8 @@ def test_a_full_disk_stops_the_run_naming_the_path_and_resume_finishes_after_spa
     written = pq.read_table(out)
     assert sorted(written.column("id").to_pylist()) == sorted(corpus.column("id").to_pylist())  # each once
     assert pc.all(pc.equal(written.sort_by("id").column("blob"), corpus.sort_by("id").column("blob"))).as_py()
-    print(f"full disk: stopped {ended - disk.full_at:.1f} s after the disk filled ({took:.1f} s after it began), "
-          f"with {committed.rows} of {ROWS} rows committed: {last}")
+    print(f"full disk: stopped {after_last:.1f} s after its last part committed ({ended - started:.1f} s after it "
+          f"began), with {committed.rows} of {ROWS} rows committed: {last}")
 
 
 STORE_TIMEOUT_S = 3.0  # store.request_timeout_s for the test: the bound is 3 tries of it
