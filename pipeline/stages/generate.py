@@ -332,8 +332,7 @@ class GenerateStage:
         try:
             if settings.fail_on_start:
                 raise RuntimeError("debug.engine_fails_on_start: the engine failed to start")
-            gate = settings.pool_gate
-            warn_once = gate.first_time if settings.quiet_warnings and hasattr(gate, "first_time") else None
+            warn_once = self._warn_once()
             if warn_once is not None and engine is None:
                 python_warnings_once(warn_once)
             built = engine or self._build_engine(settings, warn_once)
@@ -355,6 +354,12 @@ class GenerateStage:
         if settings.stall_timeout_s:
             self.life.watch(self.feeder.stalled_s, settings.stall_timeout_s, self._kill_core())
 
+    def _warn_once(self) -> Any:
+        """What judges vLLM's warnings while it starts: the pool gate's `first_time` (each
+        once per run), or None to show them all (--verbose)."""
+        gate = self.settings.pool_gate
+        return gate.first_time if self.settings.quiet_warnings and hasattr(gate, "first_time") else None
+
     def _start_on_work(self) -> None:
         settings = self.settings
         try:
@@ -363,8 +368,7 @@ class GenerateStage:
             # needs the engine first builds it under, so that their log tees do not overlap.
             with self._starting:
                 if settings.backend == "vllm" and self.engine is None:
-                    gate = settings.pool_gate
-                    preload(gate.first_time if settings.quiet_warnings and hasattr(gate, "first_time") else None)
+                    preload(self._warn_once())
             settings.pool_gate.await_work()
             with self._starting:
                 if self.engine is None:

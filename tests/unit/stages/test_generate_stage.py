@@ -283,7 +283,7 @@ class WorkGate:
     """A pool gate whose reuse lookup has found no row to generate until `found` is set."""
 
     def __init__(self, order):
-        self.order, self.found = order, threading.Event()
+        self.order, self.waiting, self.found = order, threading.Event(), threading.Event()
 
     def wait(self):
         return None
@@ -293,6 +293,7 @@ class WorkGate:
 
     def await_work(self):
         self.order.append("await_work")
+        self.waiting.set()
         self.found.wait(30)
 
     def hold(self, actor, block, rows):
@@ -323,11 +324,10 @@ def test_an_engine_on_demand_imports_vllm_while_it_waits_and_starts_once_work_is
         return built[-1]
 
     lazy._build_engine = build
-    deadline = time.monotonic() + 10
-    while "await_work" not in order and time.monotonic() < deadline:
-        time.sleep(0.01)
+    assert gate.waiting.wait(10)
     assert order == ["preload", "await_work"] and lazy.engine is None
     gate.found.set()
+    deadline = time.monotonic() + 10
     while lazy.engine is None and time.monotonic() < deadline:
         time.sleep(0.01)
     assert order == ["preload", "await_work", "build"] and lazy.engine is built[0]
