@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from pipeline.generation.detokenize import decode_outputs, fast_tokenizer
 from pipeline.generation.engine import Completion, EngineDead, Sampling
 from pipeline.generation.vllm_steps import StepTap, StepTimeline
 from pipeline.generation.vllm_logs import EngineLogTee, WarnOnce, WarningFilter, mentions_memory_failure, root_cause
@@ -152,6 +153,15 @@ def first_token_s(output: Any) -> float | None:
     return float(latency) if latency else None
 
 
+def text_ids(output: Any) -> list[int]:
+    """The ids of a completion's text: all but the token that stopped it (end of sequence,
+    or a stop token id), as vLLM's detokenizer leaves that token out of the text too."""
+    ids = list(output.token_ids)
+    if output.finish_reason == "stop" and not isinstance(output.stop_reason, str) and ids:
+        return ids[:-1]
+    return ids
+
+
 class VLLMEngine:
     """One vLLM engine, built once and reused for every call.
 
@@ -231,6 +241,9 @@ class VLLMEngine:
         self.startup_s = time.monotonic() - started
         self._engine = self._llm.llm_engine
         self._next_id = 0
+        # Where vLLM's tokenizer is a fast one, finished requests' ids are decoded here, once
+        # (`pipeline.generation.detokenize`), and vLLM is asked for no text as they run.
+        self._decoder = fast_tokenizer(self._llm.get_tokenizer())
         config = self._engine.vllm_config
         cache = config.cache_config
         self.max_model_len: int = config.model_config.max_model_len
@@ -372,6 +385,13 @@ class VLLMEngine:
             # running request's output, its text so far included, at every step, in this
             # process, which shares the cores with the engine's.
             output_kind=RequestOutputKind.FINAL_ONLY,
+            # Nor text token by token: `step` decodes a finished request's ids at once.
+            detokenize=self._decoder is None,
+            # Each request gets a shallow copy of these, not a deep one: a third of a
+            # request's submission. Safe as vLLM's own server sets it: what vLLM changes
+            # in a request's copy it sets anew, but for the end-of-sequence ids it adds to
+            # a set, which are the same for every request of one model.
+            skip_clone=True,
         )
         self._params = (sampling, params)
         return params
@@ -427,11 +447,16 @@ class VLLMEngine:
                 self._dies_of_memory = False
                 raise EngineDead(f"{type(e).__name__}: {cause or e}", memory=memory) from e
             raise
-        for out in outputs:  # finished requests only (FINAL_ONLY)
-            if out.finished:
-                first = out.outputs[0]
-                finished.append((out.request_id, Completion(first.text, len(first.token_ids), 0.0, first.finish_reason,
-                                                            first_token_s=first_token_s(out))))
+        done = [out for out in outputs if out.finished]  # finished requests only (FINAL_ONLY)
+        if self._decoder is not None and done:
+            texts = decode_outputs(self._decoder, [out.prompt_token_ids or [] for out in done],
+                                   [text_ids(out.outputs[0]) for out in done])
+        else:
+            texts = [out.outputs[0].text for out in done]
+        for out, text in zip(done, texts):
+            first = out.outputs[0]
+            finished.append((out.request_id, Completion(text, len(first.token_ids), 0.0, first.finish_reason,
+                                                        first_token_s=first_token_s(out))))
         return finished
 
     def abort(self, request_ids: list[str]) -> None:

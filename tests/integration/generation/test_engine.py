@@ -65,6 +65,23 @@ def test_greedy_is_deterministic(engine):
     assert [c.text for c in a] == [c.text for c in b]
 
 
+def test_texts_decoded_when_done_are_vllms_own(engine, tiny_model):
+    """vLLM is asked for token ids only (`detokenize=False`) and the engine decodes each finished
+    request at once: the texts are those vLLM's own detokenizer writes for the same greedy run."""
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    batch = [tokenizer.encode(f"Note {i}: Ünïcödé ✓ café, the fox" * (i % 4 + 1)) for i in range(24)]
+    out, _ = generate(engine, batch, SamplingConfig(max_new_tokens=24, temperature=0.0))
+    own = engine._llm.generate([{"prompt_token_ids": p} for p in batch],
+                               SamplingParams(max_tokens=24, temperature=0.0), use_tqdm=False)
+
+    assert engine._decoder is not None and engine._sampling_params(sampling_of(SamplingConfig())).detokenize is False
+    assert [c.text for c in out] == [o.outputs[0].text for o in own]
+    assert [c.output_tokens for c in out] == [len(o.outputs[0].token_ids) for o in own]
+
+
 def test_a_rejected_prompt_does_not_fail_its_neighbours(engine):
     batch = prompts(3)
     batch.insert(1, [7] * 600)  # longer than max_model_len
@@ -106,3 +123,4 @@ def test_a_run_whose_engine_writes_only_whitespace_reports_empty_output(engine, 
     assert out.column("status").to_pylist() == ["empty_output"] * 3
     assert all("empty or only whitespace (6 tokens" in e for e in out.column("error").to_pylist())
     assert _block_stats(out)["status"] == {"empty_output": 3}
+

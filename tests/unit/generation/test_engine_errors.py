@@ -100,8 +100,39 @@ def test_a_step_returns_the_finished_requests_with_vllms_first_token_time():
             return [output("req-0", True, 0.25), output("req-1", False, 0.1), output("req-2", True, None)]
 
     engine = object.__new__(VLLMEngine)
-    engine._engine = Core()
+    engine._engine, engine._decoder = Core(), None  # vLLM's own text, where it has no fast tokenizer
     done = dict(engine.step())
     assert set(done) == {"req-0", "req-2"}
     assert done["req-0"].first_token_s == 0.25 and done["req-0"].output_tokens == 3
     assert done["req-2"].first_token_s is None and done["req-2"].text == "a summary"
+
+
+def test_a_step_decodes_its_finished_requests_ids_less_the_token_that_stopped_them(tiny_model):
+    """vLLM wrote no text (`detokenize=False`): the step decodes each finished request's ids
+    after its prompt, leaving out the end-of-sequence or stop token id that ended it, as
+    vLLM's detokenizer does; a request cut at its token limit keeps every id."""
+    from types import SimpleNamespace as NS
+
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tiny_model / "tokenizer.json"))
+    prompt, words = tokenizer.encode("Summary:").ids, tokenizer.encode(" the fox").ids
+    stop_id = tokenizer.token_to_id(".")
+
+    def output(rid, ids, finish_reason, stop_reason=None):
+        return NS(request_id=rid, finished=True, metrics=None, prompt_token_ids=prompt,
+                  outputs=[NS(text="", token_ids=ids, finish_reason=finish_reason, stop_reason=stop_reason)])
+
+    class Core:
+        def step(self):
+            return [output("eos", words + [tokenizer.token_to_id("</s>")], "stop"),
+                    output("stop id", words + [stop_id], "stop", stop_reason=stop_id),
+                    output("length", words + [stop_id], "length")]
+
+    engine = object.__new__(VLLMEngine)
+    engine._engine, engine._decoder = Core(), tokenizer
+    done = dict(engine.step())
+
+    assert done["eos"].text == done["stop id"].text == " the fox"
+    assert done["length"].text == " the fox."
+    assert [done[k].output_tokens for k in ("eos", "stop id", "length")] == [len(words) + 1] * 3
