@@ -11,6 +11,7 @@ the stepping is timed, not the submission. Prints each round and the medians.
 
 from __future__ import annotations
 
+import os
 import random
 import statistics
 import time
@@ -30,8 +31,6 @@ from pipeline.run.plan import vllm_settings
 @click.option("--repeats", default=4, show_default=True, help="Rounds of each, alternating which goes first.")
 @click.option("--new-tokens", default=32, show_default=True)
 def main(requests: int, repeats: int, new_tokens: int) -> None:
-    import os
-
     model = ensure_tiny_model(cached_tiny_model("tiny"), seed=0)
     settings = vllm_settings(str(model), EngineConfig(max_model_len=2048, dtype="bfloat16",
                                                       gpu_memory_utilization=0.2), seed=0)
@@ -40,10 +39,10 @@ def main(requests: int, repeats: int, new_tokens: int) -> None:
     decoder = engine._decoder
     rng = random.Random(0)
     prompts = [[rng.randrange(10, 1000) for _ in range(rng.randrange(100, 300))] for _ in range(requests)]
-    sampling = Sampling(max_new_tokens=new_tokens)
 
     def stepped(decode_once: bool) -> float:
-        engine._decoder, engine._params = (decoder if decode_once else None), None
+        engine._decoder = decoder if decode_once else None
+        sampling = Sampling(max_new_tokens=new_tokens)  # a new one: its vLLM params are built again, for this decoder
         ids = [engine.submit(p, sampling) for p in prompts]
         started, done = time.perf_counter(), 0
         while done < len(ids):
