@@ -287,6 +287,7 @@ class RunContext:
     reuse_sources: list[Any] = field(default_factory=list)
     reuse_notes: list[str] = field(default_factory=list)
     reuse_index: Any = None  # pipeline.reuse.index.ReuseIndex
+    store_fit: Any = None  # pipeline.run.plan.StoreFit: windows and blocks against the object store
 
     def wall_s(self) -> float:
         return time.monotonic() - self.started
@@ -427,6 +428,8 @@ def batching_section(ctx: RunContext, calls: list[dict[str, Any]],
         "backoffs": sum(len(c.get("backoffs", [])) for c in calls),
         "per_bucket": bucket_batching(calls, ctx.bucket_order),
         "learned_limits": learned,
+        # Rows against the object store: windows and blocks, and whether large rows cut them.
+        "blocks": None if ctx.store_fit is None else ctx.store_fit.describe(),
         # Rows whose prompt and sampling matched another's, given its result (pipeline/generation/merge.py).
         "merge_identical_prompts": {
             "enabled": profile.batching.merge_identical_prompts,

@@ -45,8 +45,8 @@ from pipeline.storage.inputs import InputError, check_inputs, duplicate_ids
 from pipeline.observe.metrics import RunLabels, RunMetrics, Watch
 from pipeline.storage.fs import store_env
 from pipeline.storage.output import OutputTarget, PublishError
-from pipeline.run.plan import (engine_description, generate_settings, keeps_engine_cpus_apart,
-                               prepare_settings, resolve_dtype, result_keys)
+from pipeline.run.plan import (StoreFit, engine_description, fit_to_store, generate_settings,
+                               keeps_engine_cpus_apart, prepare_settings, resolve_dtype, result_keys)
 from pipeline.run.affinity import EngineCpuGuard
 from pipeline.run.pool import EnginePool, end_engine_processes, runtime_env
 from pipeline.observe.progress import progress_for
@@ -369,6 +369,9 @@ def generate(ctx: RunContext, target: OutputTarget, metrics: RunMetrics, verbose
         profile.batching.learned_limits, ctx.limits_key, profile.batching.learned_max_age_days
     )
     init_ray(ctx.config)
+    from ray.data import DataContext
+
+    block_bytes = DataContext.get_current().target_max_block_size  # store_fit may lower it for this run
     # The pool first: its gate is what the reuse lookup tells of rows to generate.
     pool = EnginePool(profile.hardware, profile.engine.tensor_parallel_size)
     pool.open()
@@ -376,6 +379,7 @@ def generate(ctx: RunContext, target: OutputTarget, metrics: RunMetrics, verbose
         ds, prepare = build_dataset(ctx, target, pool.gate)
         run_dataset(ctx, ds, prepare, target, metrics, pool, verbose)
     finally:
+        DataContext.get_current().target_max_block_size = block_bytes
         pool.close()
         if ctx.reuse_index is not None:
             ctx.reuse_index.close()
@@ -393,6 +397,13 @@ def build_dataset(ctx: RunContext, target: OutputTarget, gate: Any = None) -> tu
         import ray
 
         skip = (ray.put(row_keys(committed.keys, keys)), keys)
+    ctx.store_fit = store_fit(ctx)
+    if ctx.store_fit.fitted:  # rows too large for the windows and blocks counted in rows
+        config = config.model_copy(update={"profile": profile.model_copy(update={
+            "bucketing": profile.bucketing.model_copy(update={"window_rows": ctx.store_fit.window_rows}),
+            "batching": profile.batching.model_copy(update={
+                "prepare_batch_rows": ctx.store_fit.prepare_batch_rows})})})
+        profile = config.profile
     prepare = prepare_settings(config, ctx.model_path, ctx.max_model_len)
     if job.length.outlier_percentile is not None:
         t = time.monotonic()
@@ -427,6 +438,26 @@ def build_dataset(ctx: RunContext, target: OutputTarget, gate: Any = None) -> tu
         # One range partition per bucket, after every row is read (an all-to-all barrier).
         ds = ds.sort(schema.BUCKET_INDEX, boundaries=list(range(1, len(ctx.bucket_order))))
     return ds, prepare
+
+
+def store_fit(ctx: RunContext) -> StoreFit:
+    """Windows, tokenizing batches and Ray Data's blocks cut to the object store, where the
+    input's rows are large for it (`pipeline.run.plan.fit_to_store`); Ray Data's target
+    block size is set here, in the driver, whose context its tasks take."""
+    import ray
+    from ray.data import DataContext
+
+    profile = ctx.config.profile
+    data = DataContext.get_current()
+    store = ray.cluster_resources().get("object_store_memory")
+    fit = fit_to_store(profile.bucketing.window_rows, profile.batching.prepare_batch_rows,
+                       profile.batching.generate_batch_rows, ctx.inputs.row_bytes(),
+                       int(store) if store else None, data.target_max_block_size)
+    if fit.block_bytes is not None:
+        data.target_max_block_size = fit.block_bytes
+        log.info("rows of %s bytes against a %s MiB object store: windows of %s rows, blocks of at most %s MiB",
+                 fit.row_bytes, fit.describe()["object_store_mib"], fit.window_rows, fit.describe()["block_mib"])
+    return fit
 
 
 def reuse_index(ctx: RunContext) -> ReuseIndex | None:

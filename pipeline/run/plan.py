@@ -9,7 +9,7 @@ config key that moves changes here and in the config models, nowhere else.
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -251,3 +251,49 @@ def result_keys(config: RunConfig, prepare: PrepareSettings) -> dict[str, Any]:
          "annotation_max_new_tokens": prepare.annotation_max_new_tokens, "length": job.length,
          "passages": job.passages, "null_as": prepare.null_as})
     return out
+
+
+# Of the object store: the most that one window of rows (a block of the grouping step's
+# input) may hold, and the most one block may. Ray Data budgets the store in bytes among
+# its operators, about evenly, while windows and batches are counted in rows: rows of 10 KB
+# in 4,096-row windows left a 100 MiB store's budgets full, and every stage waited for its
+# output to drain (bench/results/scale.md: 297 s, the engine busy 31 s of them).
+STORE_SHARE = 1 / 20
+
+
+@dataclass(frozen=True)
+class StoreFit:
+    """Row counts that fit the object store: `window_rows` and `prepare_batch_rows` at
+    most the configured ones, and `block_bytes` for Ray Data's target block size (None:
+    its own default stands). `fitted`: whether any was lowered."""
+
+    window_rows: int
+    prepare_batch_rows: int
+    block_bytes: int | None
+    row_bytes: int | None
+    store_bytes: int | None
+
+    @property
+    def fitted(self) -> bool:
+        return self.block_bytes is not None
+
+    def describe(self) -> dict[str, Any]:
+        mib = lambda b: None if b is None else round(b / 2**20, 1)  # noqa: E731
+        return {"row_bytes": self.row_bytes, "object_store_mib": mib(self.store_bytes), "fitted": self.fitted,
+                "window_rows": self.window_rows, "prepare_batch_rows": self.prepare_batch_rows,
+                "block_mib": mib(self.block_bytes)}
+
+
+def fit_to_store(window_rows: int, prepare_batch_rows: int, generate_batch_rows: int,
+                 row_bytes: int | None, store_bytes: int | None, ray_block_bytes: int) -> StoreFit:
+    """Windows and tokenizing batches cut to STORE_SHARE of the object store, where rows are
+    large enough to need it; a window never holds less than one engine block's rows.
+    `ray_block_bytes`: Ray Data's target block size now (lowered to the same share)."""
+    keep = StoreFit(window_rows, prepare_batch_rows, None, row_bytes, store_bytes)
+    if not row_bytes or not store_bytes:
+        return keep
+    share = int(store_bytes * STORE_SHARE)
+    if window_rows * row_bytes <= share and ray_block_bytes <= share:
+        return keep
+    window = min(window_rows, max(generate_batch_rows, share // row_bytes))
+    return StoreFit(window, min(prepare_batch_rows, window), min(ray_block_bytes, share), row_bytes, store_bytes)

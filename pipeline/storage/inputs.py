@@ -47,6 +47,11 @@ class InputFiles:
     skipped: list[dict[str, str]] = field(default_factory=list)
     format: str = "parquet"
     dataset: Any = None  # the `datasets` object, for every format but parquet
+    bytes: int | None = None  # the rows' size decoded (Parquet footers' row groups); None where unknown
+
+    def row_bytes(self) -> int | None:
+        """The mean decoded size of a row, where known."""
+        return self.bytes // self.rows if self.bytes and self.rows else None
 
     def read(self, blocks: int | None = None) -> Any:
         """The rows as a Ray Dataset (lazy)."""
@@ -137,8 +142,9 @@ def _check_columns(f: str, file_schema: pa.Schema, id_column: str, text_column: 
 
 
 def _check_file(fs: pafs.FileSystem, f: str, id_column: str, text_column: str,
-                template_fields: dict[str, set[str]], job_file: str | None) -> tuple[pa.Schema, int]:
-    """Schema and row count from the footer, then every page; InputError naming the file and column."""
+                template_fields: dict[str, set[str]], job_file: str | None) -> tuple[pa.Schema, int, int]:
+    """Schema, row count and decoded bytes from the footer, then every page; InputError
+    naming the file and column."""
     try:
         # Page checksums, where the writer wrote them, catch bytes that still decode.
         parquet = pq.ParquetFile(f, filesystem=fs, page_checksum_verification=True)
@@ -149,7 +155,8 @@ def _check_file(fs: pafs.FileSystem, f: str, id_column: str, text_column: str,
     with parquet:
         _check_columns(f, file_schema, id_column, text_column, template_fields, job_file)
         _check_pages(parquet, f, id_column)
-    return file_schema, meta.num_rows
+    decoded = sum(meta.row_group(g).total_byte_size for g in range(meta.num_row_groups))
+    return file_schema, meta.num_rows, decoded
 
 
 def _check_pages(parquet: pq.ParquetFile, f: str, id_column: str) -> None:
@@ -284,15 +291,16 @@ def check_inputs(source: InputConfig, template_fields: dict[str, set[str]] | set
         ds_schema = _dataset_schema(ds)
         _check_columns(path, ds_schema, id_column, text_column, template_fields, job_file)
         rows = len(ds) if hasattr(ds, "__len__") else None
-        return InputFiles(None, [path], ds_schema, rows, format=fmt, dataset=ds)
+        size = getattr(getattr(ds, "data", None), "nbytes", None)  # a memory-mapped table's; a stream has none
+        return InputFiles(None, [path], ds_schema, rows, format=fmt, dataset=ds, bytes=size)
     fs, files = list_files(path)
     schema: pa.Schema | None = None  # set by the first good file
-    rows = 0
+    rows = decoded = 0
     good: list[str] = []
     skipped: list[dict[str, str]] = []
     for f in files:
         try:
-            file_schema, n = _check_file(fs, f, id_column, text_column, template_fields, job_file)
+            file_schema, n, size = _check_file(fs, f, id_column, text_column, template_fields, job_file)
             if schema is not None and not schema.equals(file_schema):
                 try:  # unify_schemas raises on incompatible types, naming the field
                     file_schema = pa.unify_schemas([schema, file_schema])
@@ -305,10 +313,11 @@ def check_inputs(source: InputConfig, template_fields: dict[str, set[str]] | set
             continue
         schema = file_schema
         rows += n
+        decoded += size
         good.append(f)
     if not good:
         raise InputError(f"{path}: no readable input files ({len(skipped)} skipped)")
-    return InputFiles(fs, good, schema, rows, skipped)  # type: ignore[arg-type]  # set with good
+    return InputFiles(fs, good, schema, rows, skipped, bytes=decoded)  # type: ignore[arg-type]  # set with good
 
 
 def duplicate_ids(inputs: InputFiles, id_column: str, show: int = 5) -> tuple[int, list[Any]]:

@@ -1,7 +1,7 @@
 """From a config to the engine's settings: the CPU dtype rule."""
 
 from pipeline.config import load_run_config
-from pipeline.run.plan import engine_kwargs, resolve_dtype
+from pipeline.run.plan import STORE_SHARE, engine_kwargs, fit_to_store, resolve_dtype
 
 from tests.helpers import REPO
 
@@ -74,3 +74,27 @@ def test_one_engine_in_its_actors_process_binds_itself_among_the_runs_cpus(monke
     assert not plan.keeps_engine_cpus_apart(load_run_config(JOB, LOCAL, ["hardware.isolate_engine_cpus=false"]).profile)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
     assert plan.engine_cpus(local.profile) is None  # one CPU: none to spare
+
+
+MiB = 2**20
+
+
+def test_windows_and_blocks_are_cut_to_the_object_store_only_where_rows_are_large():
+    # Small rows in a large store: every setting stands, and Ray Data's block size too.
+    fit = fit_to_store(4096, 256, 128, row_bytes=2_000, store_bytes=7_000 * MiB, ray_block_bytes=128 * MiB)
+    assert not fit.fitted and (fit.window_rows, fit.prepare_batch_rows, fit.block_bytes) == (4096, 256, None)
+    # Unknown sizes (a streamed hub dataset): nothing to fit against.
+    assert not fit_to_store(4096, 256, 128, None, 100 * MiB, 128 * MiB).fitted
+    # 10 KB rows in a 100 MiB store (make bench-scale): a window holds a twentieth of it.
+    fit = fit_to_store(4096, 500, 128, row_bytes=10_000, store_bytes=100 * MiB, ray_block_bytes=128 * MiB)
+    share = int(100 * MiB * STORE_SHARE)
+    assert fit.fitted and fit.window_rows == share // 10_000 == 524
+    assert fit.prepare_batch_rows == 500 and fit.block_bytes == share
+    assert fit.describe() == {"row_bytes": 10_000, "object_store_mib": 100.0, "fitted": True, "window_rows": 524,
+                              "prepare_batch_rows": 500, "block_mib": 5.0}
+    # Huge rows: a window still holds one engine block, and a tokenizing batch no more than a window.
+    fit = fit_to_store(4096, 500, 128, row_bytes=1_000_000, store_bytes=100 * MiB, ray_block_bytes=128 * MiB)
+    assert (fit.window_rows, fit.prepare_batch_rows) == (128, 128)
+    # Ray Data's block size alone too large for the store: only it is lowered.
+    fit = fit_to_store(64, 32, 16, row_bytes=100, store_bytes=100 * MiB, ray_block_bytes=128 * MiB)
+    assert (fit.window_rows, fit.prepare_batch_rows, fit.block_bytes) == (64, 32, share)

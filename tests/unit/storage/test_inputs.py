@@ -26,7 +26,11 @@ def test_file_folder_and_glob(tmp_path):
     assert [f.rsplit("/", 1)[1] for f in files] == ["a.parquet", "b.parquet"]
     _, files = list_files(str(tmp_path / "d" / "*.parquet"))
     assert [f.rsplit("/", 1)[1] for f in files] == ["a.parquet"]
-    assert check_inputs(InputConfig(path=str(tmp_path / "d")), {"text"}).rows == 5
+    found = check_inputs(InputConfig(path=str(tmp_path / "d")), {"text"})
+    assert found.rows == 5
+    # The rows' decoded size, from the footers' row groups: what the object-store fit weighs.
+    decoded = sum(pq.ParquetFile(f).metadata.row_group(0).total_byte_size for f in found.paths)
+    assert found.bytes == decoded > 0 and found.row_bytes() == decoded // 5
     assert len(list_files(str(tmp_path / "d" / "a.parquet"))[1]) == 1
 
 
