@@ -115,7 +115,7 @@ bench-reuse-lookup: $(STAMP)
 	$(BIN)/python -m bench.reuse_lookup
 
 # A corpus 1x, 2x and 4x a 100 MiB object store streams through, each row carrying 10 KB
-# (bench/scale.py): peak memory per process and spilling, about 20 minutes on 2 cores.
+# (bench/scale.py): peak memory per process and spilling, about 10 minutes on 2 cores.
 bench-scale: $(STAMP)
 	$(BIN)/python -m bench.scale
 

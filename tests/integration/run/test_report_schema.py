@@ -21,7 +21,7 @@ REUSE = {"sources": list, "notes": list, "lookup": (dict, type(None)), "rows_reu
          "output_tokens_not_generated": int, "engine_s_saved": NUM, "engine_s_per_token": (float, type(None))}
 BATCHING = {"policy": str, "feed": str, "memory_target": (float, type(None)), "rows_per_call": (int, type(None)),
             "tuned_rows": (dict, type(None)), "backoffs": int, "per_bucket": dict, "learned_limits": dict,
-            "merge_identical_prompts": dict}
+            "merge_identical_prompts": dict, "blocks": dict}
 PER_BUCKET = {"calls": int, "trajectory": list, "backoffs": list, "peak_pressure": NUM, "preemptions": int,
               "busy_fraction": (float, type(None)), "fill": (float, type(None))}
 CALL = {"call": str, "kind": str, "bucket": str, "buckets": list, "rows": int, "rows_written": int,
@@ -49,6 +49,10 @@ def test_report_keys_and_types_are_pinned(job_run):
     r = job_run.report
     check(r, TOP, "report")
     check(r["batching"], BATCHING, "batching")
+    # Small rows in Ray's default object store: windows and blocks as configured (pipeline.run.plan.fit_to_store).
+    blocks = r["batching"]["blocks"]
+    assert blocks["fitted"] is False and blocks["block_mib"] is None and blocks["row_bytes"] > 0
+    assert blocks["window_rows"] == 40 and blocks["prepare_batch_rows"] == 20 and blocks["object_store_mib"] > 0
     for name, b in r["batching"]["per_bucket"].items():
         check(b, PER_BUCKET, f"batching.per_bucket.{name}")
         for step in b["trajectory"]:
