@@ -651,8 +651,9 @@ def finish(ctx: RunContext, target: OutputTarget) -> RunReport:
     if ctx.written is None:
         raise RuntimeError("the write finished without reporting what it wrote")
     calls = engine_calls(ctx.written)
+    actors = actor_summaries(calls)
     if profile.batching.learned_limits and isinstance(profile.batching.policy, AdaptivePolicy):
-        limits = limits_store.merge_limits([a["learned"] for a in actor_summaries(calls)])
+        limits = limits_store.merge_limits([a["learned"] for a in actors])
         if limits:
             def save() -> dict[str, int]:
                 limits_store.save_limits(profile.batching.learned_limits, ctx.limits_key, limits)
@@ -663,8 +664,8 @@ def finish(ctx: RunContext, target: OutputTarget) -> RunReport:
 
     def draw() -> bool:
         png = plot_trajectories({"job": config.job.name, "run_id": ctx.run_id,
-                                 "batching": batching_section(ctx, calls),
-                                 "server": servers(actor_summaries(calls))})
+                                 "batching": batching_section(ctx, calls, actors),
+                                 "server": servers(actors)})
         if png:
             write_beside(target.fs, target.staging.data, PLOT_NAME, png)
         return png is not None
