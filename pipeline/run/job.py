@@ -371,15 +371,19 @@ def generate(ctx: RunContext, target: OutputTarget, metrics: RunMetrics, verbose
     init_ray(ctx.config)
     from ray.data import DataContext
 
-    block_bytes = DataContext.get_current().target_max_block_size  # store_fit may lower it for this run
+    data = DataContext.get_current()
+    ray_block_bytes = data.target_max_block_size
+    ctx.store_fit = store_fit(ctx, ray_block_bytes)
     # The pool first: its gate is what the reuse lookup tells of rows to generate.
     pool = EnginePool(profile.hardware, profile.engine.tensor_parallel_size)
     pool.open()
     try:
+        if ctx.store_fit.fitted:  # for this run; Ray Data's tasks take the driver's context
+            data.target_max_block_size = ctx.store_fit.block_bytes
         ds, prepare = build_dataset(ctx, target, pool.gate)
         run_dataset(ctx, ds, prepare, target, metrics, pool, verbose)
     finally:
-        DataContext.get_current().target_max_block_size = block_bytes
+        data.target_max_block_size = ray_block_bytes
         pool.close()
         if ctx.reuse_index is not None:
             ctx.reuse_index.close()
@@ -397,13 +401,8 @@ def build_dataset(ctx: RunContext, target: OutputTarget, gate: Any = None) -> tu
         import ray
 
         skip = (ray.put(row_keys(committed.keys, keys)), keys)
-    ctx.store_fit = store_fit(ctx)
-    if ctx.store_fit.fitted:  # rows too large for the windows and blocks counted in rows
-        config = config.model_copy(update={"profile": profile.model_copy(update={
-            "bucketing": profile.bucketing.model_copy(update={"window_rows": ctx.store_fit.window_rows}),
-            "batching": profile.batching.model_copy(update={
-                "prepare_batch_rows": ctx.store_fit.prepare_batch_rows})})})
-        profile = config.profile
+    config = ctx.store_fit.applied_to(config)  # windows and tokenizing batches the object store holds
+    profile = config.profile
     prepare = prepare_settings(config, ctx.model_path, ctx.max_model_len)
     if job.length.outlier_percentile is not None:
         t = time.monotonic()
@@ -440,23 +439,19 @@ def build_dataset(ctx: RunContext, target: OutputTarget, gate: Any = None) -> tu
     return ds, prepare
 
 
-def store_fit(ctx: RunContext) -> StoreFit:
-    """Windows, tokenizing batches and Ray Data's blocks cut to the object store, where the
-    input's rows are large for it (`pipeline.run.plan.fit_to_store`); Ray Data's target
-    block size is set here, in the driver, whose context its tasks take."""
+def store_fit(ctx: RunContext, ray_block_bytes: int) -> StoreFit:
+    """Windows, tokenizing batches and Ray Data's blocks against the cluster's object store
+    (`pipeline.run.plan.fit_to_store`). `ray_block_bytes`: Ray Data's target block size now."""
     import ray
-    from ray.data import DataContext
 
-    profile = ctx.config.profile
-    data = DataContext.get_current()
+    batching = ctx.config.profile.batching
     store = ray.cluster_resources().get("object_store_memory")
-    fit = fit_to_store(profile.bucketing.window_rows, profile.batching.prepare_batch_rows,
-                       profile.batching.generate_batch_rows, ctx.inputs.row_bytes(),
-                       int(store) if store else None, data.target_max_block_size)
-    if fit.block_bytes is not None:
-        data.target_max_block_size = fit.block_bytes
-        log.info("rows of %s bytes against a %s MiB object store: windows of %s rows, blocks of at most %s MiB",
-                 fit.row_bytes, fit.describe()["object_store_mib"], fit.window_rows, fit.describe()["block_mib"])
+    fit = fit_to_store(ctx.config.profile.bucketing.window_rows, batching.prepare_batch_rows,
+                       batching.generate_batch_rows, ctx.inputs.row_bytes(), int(store) if store else None,
+                       ray_block_bytes)
+    if fit.fitted:
+        log.info("rows of %s bytes against a %s-byte object store: windows of %s rows, blocks of at most %s bytes",
+                 fit.row_bytes, fit.store_bytes, fit.window_rows, fit.block_bytes)
     return fit
 
 

@@ -277,6 +277,16 @@ class StoreFit:
     def fitted(self) -> bool:
         return self.block_bytes is not None
 
+    def applied_to(self, config: RunConfig) -> RunConfig:
+        """`config` with this fit's window and tokenizing batch (itself where nothing was cut)."""
+        if not self.fitted:
+            return config
+        profile = config.profile
+        bucketing = profile.bucketing.model_copy(update={"window_rows": self.window_rows})
+        batching = profile.batching.model_copy(update={"prepare_batch_rows": self.prepare_batch_rows})
+        return config.model_copy(update={"profile": profile.model_copy(update={"bucketing": bucketing,
+                                                                               "batching": batching})})
+
     def describe(self) -> dict[str, Any]:
         mib = lambda b: None if b is None else round(b / 2**20, 1)  # noqa: E731
         return {"row_bytes": self.row_bytes, "object_store_mib": mib(self.store_bytes), "fitted": self.fitted,

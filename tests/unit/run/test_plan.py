@@ -98,3 +98,14 @@ def test_windows_and_blocks_are_cut_to_the_object_store_only_where_rows_are_larg
     # Ray Data's block size alone too large for the store: only it is lowered.
     fit = fit_to_store(64, 32, 16, row_bytes=100, store_bytes=100 * MiB, ray_block_bytes=128 * MiB)
     assert (fit.window_rows, fit.prepare_batch_rows, fit.block_bytes) == (64, 32, share)
+
+
+def test_a_fit_applied_to_a_config_changes_only_its_window_and_tokenizing_batch():
+    config = load_run_config(JOB, LOCAL)
+    kept = fit_to_store(4096, 256, 128, row_bytes=2_000, store_bytes=7_000 * MiB, ray_block_bytes=128 * MiB)
+    assert kept.applied_to(config) is config
+    fit = fit_to_store(4096, 500, 128, row_bytes=10_000, store_bytes=100 * MiB, ray_block_bytes=128 * MiB)
+    applied = fit.applied_to(config)
+    assert applied.profile.bucketing.window_rows == 524 and applied.profile.batching.prepare_batch_rows == 500
+    assert applied.profile.engine == config.profile.engine and applied.job == config.job
+    assert config.profile.bucketing.window_rows == 4096  # the loaded config itself is left as it was
