@@ -7,7 +7,10 @@ For each size, one run through the CLI (a fresh local Ray each): the peak memory
 driver and of every other process of the run (Ray's workers, the engine, the raylet), as
 RSS (sampled every 0.5 s) and as USS (what the process alone holds, where RSS counts the
 object store's shared pages too; every 5 s, since it reads every mapping), and the most
-bytes spilled to disk at once. Spilling is
+bytes spilled to disk at once. Each role's peak USS is also split by what holds it
+(`uss_kinds`): the process's own heap and anonymous memory, the object store's shared
+pages that only it maps (a page of a mapped block counts as private until another process
+maps it), Ray's files on disk (spilled or fallback objects) and libraries and other files. Spilling is
 allowed, failing is not: every id must come out once. The driver's and every worker's
 peak must stay flat from 1x to 4x.
 
@@ -59,6 +62,28 @@ def write_corpus(folder: Path, rows: int, seed: int) -> None:
         pq.write_table(part.append_column("blob", blob), folder / f"part-{f:04d}.parquet")
 
 
+def mapping_kind(path: str, ray_tmp: str) -> str:
+    """What a mapping of `psutil`'s `memory_maps` is, for the split of USS."""
+    if not path or path in ("[heap]", "[anon]") or path.startswith("[anon:"):
+        return "heap and anonymous"
+    if "plasma" in path or path.startswith("/dev/shm"):
+        return "object store (shared memory)"
+    if path.startswith(ray_tmp):
+        return "Ray's files (spill, fallback)"
+    if path.startswith("["):
+        return "other"  # [stack], [vdso], ...
+    return "libraries and files"
+
+
+def uss_by_kind(p: psutil.Process, ray_tmp: str) -> dict[str, int]:
+    """The process's USS (private clean and dirty pages) in bytes, by `mapping_kind`."""
+    kinds: dict[str, int] = {}
+    for m in p.memory_maps(grouped=True):
+        k = mapping_kind(m.path, ray_tmp)
+        kinds[k] = kinds.get(k, 0) + m.private_clean + m.private_dirty
+    return kinds
+
+
 def role(p: psutil.Process, driver: int) -> str:
     if p.pid == driver:
         return "driver"
@@ -103,13 +128,14 @@ class Sampler:
             for p in procs:
                 try:
                     r = role(p, self.root.pid)
-                    info = p.memory_full_info() if full else p.memory_info()
+                    rss = p.memory_info().rss
+                    kinds = uss_by_kind(p, self.ray_tmp) if full else {}
                 except psutil.Error:
                     continue
-                peak = self.peaks.setdefault(r, {"rss": 0, "uss": 0})
-                peak["rss"] = max(peak["rss"], info.rss)
-                if full:
-                    peak["uss"] = max(peak["uss"], info.uss)
+                peak = self.peaks.setdefault(r, {"rss": 0, "uss": 0, "uss_kinds": {}})
+                peak["rss"] = max(peak["rss"], rss)
+                if full and sum(kinds.values()) > peak["uss"]:
+                    peak["uss"], peak["uss_kinds"] = sum(kinds.values()), kinds
             if full:
                 self.spilled = max(self.spilled, self._spill_bytes())
             tick += 1
@@ -154,7 +180,9 @@ def one(rows: int, cap_mb: int, work: Path) -> dict:
     return {"rows": rows, "input_mib": mib(on_disk), "times_cap": round(on_disk / (cap_mb * 2**20), 2),
             "wall_s": round(wall, 1), "engine_s": report["engine_s"], "corpus_write_s": round(write_s, 1),
             "spilled_peak_mib": mib(sampler.spilled), "rows_out": len(out),
-            "peaks_mib": {r: {"rss": mib(v["rss"]), "uss": mib(v["uss"])} for r, v in sorted(sampler.peaks.items())}}
+            "peaks_mib": {r: {"rss": mib(v["rss"]), "uss": mib(v["uss"]),
+                              "uss_kinds": {k: mib(b) for k, b in sorted(v["uss_kinds"].items(), key=lambda kv: -kv[1])}}
+                          for r, v in sorted(sampler.peaks.items())}}
 
 
 def main() -> None:
@@ -195,6 +223,15 @@ def main() -> None:
         *(f"| {role_} | " + " | ".join(
             f"{r['peaks_mib'][role_]['uss']} ({r['peaks_mib'][role_]['rss']})" if role_ in r["peaks_mib"] else "-"
             for r in results) + " |" for role_ in roles),
+        "",
+        "What held each process's peak USS, MiB (sampled at that peak):",
+        "",
+        "| process | what | " + " | ".join(f"{r['times_cap']}x cap" for r in results) + " |",
+        "| --- | --- | " + " | ".join("---:" for _ in results) + " |",
+        *(f"| {role_} | {kind} | " + " | ".join(
+            str(r["peaks_mib"].get(role_, {}).get("uss_kinds", {}).get(kind, "-")) for r in results) + " |"
+          for role_ in roles
+          for kind in sorted({k for r in results for k in r["peaks_mib"].get(role_, {}).get("uss_kinds", {})})),
     ]
     Path(args.out + ".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
