@@ -75,7 +75,7 @@ test-tools:
 # The pipeline against raw vLLM, Ray Data LLM, a pool of 2 engines and its own ablations,
 # interleaved, 3 runs each (bench/compare.py). Measured on 2 cores (AVX-512): 8 minutes with
 # BENCH_ARGS="--rows 4000 --system raw,ray-data-llm,pipeline --out bench/results/pool_4k", 15 minutes
-# at --rows 16000 with the same systems (bench/results/pool_16k).
+# at --rows 16000 with the same systems (bench/results/pool_16k: 26 minutes on 2026-12-04).
 bench: $(STAMP)
 	$(BIN)/python -m bench $(BENCH_ARGS)
 
