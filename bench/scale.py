@@ -102,6 +102,10 @@ class Sampler:
     def __init__(self, root: psutil.Process, ray_tmp: str) -> None:
         self.root, self.ray_tmp = root, ray_tmp
         self.peaks: dict[str, dict[str, int]] = {}
+        # Each role's largest USS at each USS reading: (seconds since the start, bytes), to tell
+        # a climb that lasts the whole run (something kept per row) from one that levels off.
+        self.series: dict[str, list[tuple[float, int]]] = {}
+        self._t0 = time.monotonic()
         self.spilled = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -125,6 +129,7 @@ class Sampler:
             except psutil.Error:
                 break
             full = tick % USS_EVERY == 0  # USS reads every mapping (smaps): costly on an engine's process
+            now: dict[str, int] = {}
             for p in procs:
                 try:
                     r = role(p, self.root.pid)
@@ -136,6 +141,10 @@ class Sampler:
                 peak["rss"] = max(peak["rss"], rss)
                 if full and sum(kinds.values()) > peak["uss"]:
                     peak["uss"], peak["uss_kinds"] = sum(kinds.values()), kinds
+                if full:
+                    now[r] = max(now.get(r, 0), sum(kinds.values()))
+            for r, uss in now.items():
+                self.series.setdefault(r, []).append((round(time.monotonic() - self._t0, 1), uss))
             if full:
                 self.spilled = max(self.spilled, self._spill_bytes())
             tick += 1
@@ -182,7 +191,16 @@ def one(rows: int, cap_mb: int, work: Path) -> dict:
             "spilled_peak_mib": mib(sampler.spilled), "rows_out": len(out),
             "peaks_mib": {r: {"rss": mib(v["rss"]), "uss": mib(v["uss"]),
                               "uss_kinds": {k: mib(b) for k, b in sorted(v["uss_kinds"].items(), key=lambda kv: -kv[1])}}
-                          for r, v in sorted(sampler.peaks.items())}}
+                          for r, v in sorted(sampler.peaks.items())},
+            "uss_series_mib": {r: [(t, mib(b)) for t, b in v] for r, v in sorted(sampler.series.items())}}
+
+
+def quarters(series: list[tuple[float, int]]) -> list[int]:
+    """The largest USS read in each quarter of a role's readings: a climb that lasts the run
+    rises quarter by quarter; one that levels off does not."""
+    n = len(series)
+    return [max((b for _, b in series[n * q // 4:max(n * (q + 1) // 4, n * q // 4 + 1)]), default=0)
+            for q in range(4)] if n else []
 
 
 def main() -> None:
@@ -232,6 +250,14 @@ def main() -> None:
             str(r["peaks_mib"].get(role_, {}).get("uss_kinds", {}).get(kind, "-")) for r in results) + " |"
           for role_ in roles
           for kind in sorted({k for r in results for k in r["peaks_mib"].get(role_, {}).get("uss_kinds", {})})),
+        "",
+        "USS over the run, MiB: the largest reading in each quarter of the run's readings (every 5 s):",
+        "",
+        "| process | " + " | ".join(f"{r['times_cap']}x cap" for r in results) + " |",
+        "| --- | " + " | ".join("---" for _ in results) + " |",
+        *(f"| {role_} | " + " | ".join(
+            ", ".join(str(q) for q in quarters(r.get("uss_series_mib", {}).get(role_, []))) or "-"
+            for r in results) + " |" for role_ in roles),
     ]
     Path(args.out + ".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -257,7 +257,7 @@ def result_keys(config: RunConfig, prepare: PrepareSettings) -> dict[str, Any]:
 # input) may hold, and the most one block may. Ray Data budgets the store in bytes among
 # its operators, about evenly, while windows and batches are counted in rows: rows of 10 KB
 # in 4,096-row windows left a 100 MiB store's budgets full, and every stage waited for its
-# output to drain (bench/results/scale.md: 297 s, the engine busy 31 s of them).
+# output to drain (bench/README.md, `make bench-scale`: 297 s, the engine busy 31 s of them).
 STORE_SHARE = 1 / 20
 
 

@@ -31,3 +31,13 @@ def test_the_split_adds_up_to_the_uss_and_sees_touched_shared_memory(tmp_path):
             assert abs(sum(kinds.values()) - p.memory_full_info().uss) < 2 << 20
     finally:
         os.unlink(path)
+
+
+def test_the_quarters_of_a_run_show_a_climb_and_a_plateau_apart():
+    from bench.scale import quarters
+
+    climbing = [(t, 100 + t) for t in range(8)]
+    level = [(t, 100 + min(t, 2)) for t in range(8)]
+    assert quarters(climbing) == [101, 103, 105, 107]
+    assert quarters(level) == [101, 102, 102, 102]
+    assert quarters([(0, 5)]) == [5, 5, 5, 5] and quarters([]) == []
