@@ -64,6 +64,20 @@ SETTLE_S = 5.0  # the most a finished run waits for the engines' last metrics sn
 
 # Quiet by default: vLLM logs every engine start at INFO, once per actor.
 WORKER_ENV_DEFAULTS = {"VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "true"}
+# On a local Ray only. Ray Data's Parquet reader (Ray 2.60) reads the input's footers on a
+# pool of 32 actors, each a Python worker to start: on 2 cores their starts held both
+# cores for about 4 s at every run's start, ahead of the engine's build and the first
+# tokenized rows (bench/README.md, "Incremental nightly runs"). One actor, with its 128
+# I/O threads, reads a machine's own corpus; a cluster keeps Ray's pool.
+LOCAL_WORKER_ENV_DEFAULTS = {"RAY_DATA_PARQUET_FOOTER_NUM_ACTORS": "1"}
+
+
+def worker_env(local: bool, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment the run gives Ray's workers: the defaults above, where `environ`
+    (this process's) does not set them already."""
+    environ = os.environ if environ is None else environ
+    defaults = WORKER_ENV_DEFAULTS | (LOCAL_WORKER_ENV_DEFAULTS if local else {})
+    return {k: environ.get(k, v) for k, v in defaults.items()}
 
 
 def new_run_id() -> str:
@@ -91,7 +105,7 @@ def init_ray(config: RunConfig) -> None:
     if ray.is_initialized():
         return
     hw = config.profile.hardware
-    env_vars = {k: os.environ.get(k, v) for k, v in WORKER_ENV_DEFAULTS.items()}
+    env_vars = worker_env(local=not hw.ray_address)
     env_vars |= store_env(config.profile.store.request_timeout_s, config.profile.store.connect_timeout_s)
     if hw.ray_address:
         # ray.init uploads the working_dir; the folder is not needed after it.
