@@ -291,7 +291,11 @@ class EngineFeeder:
         while not mine.done:
             with self._cv:
                 calls = list(self._calls)
-            self._admit(calls)
+            try:
+                self._admit(calls)
+            except EngineDead as e:  # the core died between steps: as a failed step
+                self._recover(e, calls)
+                continue
             if not self.in_flight:
                 self._mark = time.monotonic()
                 self._finish(calls)
@@ -569,6 +573,9 @@ class _Call:
         feeder = self.feeder
         try:
             request_id = feeder.engine.submit(r.ids, self.sampling)
+        except EngineDead:
+            self.queue.appendleft(r)  # not this row's doing: it waits for the engine's recovery
+            raise
         except Exception as e:  # the engine refused this prompt alone
             self.results[r.position] = Completion(None, 0, 0.0, error=f"{type(e).__name__}: {e}")
             self.rejected += 1

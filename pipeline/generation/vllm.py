@@ -426,11 +426,29 @@ class VLLMEngine:
         """Queue one request; raises if the engine refuses it (too long, say)."""
         request_id = f"req-{self._next_id}"
         self._next_id += 1
-        # Rendered first (the token ids as they are: no template, no tokenizer), as vLLM
-        # asks: a raw prompt handed to add_request is deprecated.
-        (rendered,) = self._engine.renderer.render_cmpl([{"prompt_token_ids": prompt_token_ids}])
-        self._engine.add_request(request_id, rendered, self._sampling_params(sampling))
+        try:
+            # Rendered first (the token ids as they are: no template, no tokenizer), as vLLM
+            # asks: a raw prompt handed to add_request is deprecated.
+            (rendered,) = self._engine.renderer.render_cmpl([{"prompt_token_ids": prompt_token_ids}])
+            self._engine.add_request(request_id, rendered, self._sampling_params(sampling))
+        except Exception as e:
+            # A core that died between steps refuses every request: the engine's death, not
+            # this prompt's fault (the feeder recovers from it as from a failed step).
+            self._raise_if_dead(e)
+            raise
         return request_id
+
+    def _raise_if_dead(self, e: Exception) -> None:
+        """vLLM's dead-engine error as `EngineDead`, with the core's last words and whether
+        they were about memory; any other error is left to the caller."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        if isinstance(e, EngineDeadError):
+            time.sleep(0.5)  # the core's last words, if it had any
+            cause = root_cause(self._tee.tail()) if self._tee is not None else None
+            memory = self._dies_of_memory or (cause is not None and mentions_memory_failure(cause))
+            self._dies_of_memory = False
+            raise EngineDead(f"{type(e).__name__}: {cause or e}", memory=memory) from e
 
     def step(self) -> list[tuple[str, Completion]]:
         """One engine step; the requests it finished, with latency left at 0 for the caller."""
@@ -438,14 +456,7 @@ class VLLMEngine:
         try:
             outputs = self._engine.step()
         except Exception as e:
-            from vllm.v1.engine.exceptions import EngineDeadError
-
-            if isinstance(e, EngineDeadError):
-                time.sleep(0.5)  # the core's last words, if it had any
-                cause = root_cause(self._tee.tail()) if self._tee is not None else None
-                memory = self._dies_of_memory or (cause is not None and mentions_memory_failure(cause))
-                self._dies_of_memory = False
-                raise EngineDead(f"{type(e).__name__}: {cause or e}", memory=memory) from e
+            self._raise_if_dead(e)
             raise
         done = [out for out in outputs if out.finished]  # finished requests only (FINAL_ONLY)
         if self._decoder is not None and done:

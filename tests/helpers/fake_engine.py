@@ -52,6 +52,8 @@ class FakeEngine:
         self.closed = False
 
     def submit(self, ids, sampling):
+        if self.dead:  # as vLLM's add_request on a dead core
+            raise EngineDead("EngineDeadError: the engine core died", memory=self.dead_of_memory)
         if len(ids) > 1000:
             raise ValueError("prompt too long")
         self.n += 1

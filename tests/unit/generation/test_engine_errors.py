@@ -86,6 +86,41 @@ def test_vllms_dead_engine_becomes_engine_dead():
         engine.step()
 
 
+def test_a_request_to_a_dead_core_is_the_engines_death_not_the_prompts():
+    """vLLM's add_request on a core that died between steps raises its dead-engine error:
+    `submit` says EngineDead, so the feeder recovers the engine instead of failing the row;
+    a prompt vLLM refuses for itself still raises as it was."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    class Renderer:
+        def render_cmpl(self, prompts):
+            return prompts
+
+    class Core:
+        renderer = Renderer()
+
+        def __init__(self, error):
+            self.error = error
+
+        def add_request(self, request_id, prompt, params):
+            raise self.error
+
+    class Tail:
+        def tail(self):
+            return ""
+
+    engine = object.__new__(VLLMEngine)
+    engine._next_id, engine._dies_of_memory, engine._tee = 0, False, Tail()
+    engine._sampling_params = lambda sampling: None
+    engine._engine = Core(EngineDeadError())
+    with pytest.raises(EngineDead) as died:
+        engine.submit([1, 2, 3], None)
+    assert not died.value.memory
+    engine._engine = Core(ValueError("prompt too long"))
+    with pytest.raises(ValueError, match="prompt too long"):
+        engine.submit([1, 2, 3], None)
+
+
 def test_a_step_returns_the_finished_requests_with_vllms_first_token_time():
     """Outputs come back finished only (FINAL_ONLY); the time to the first token is the one
     vLLM's stats measured, and None where it measured none."""

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from pipeline.generation.engine import Sampling
+from pipeline.generation.engine import EngineCrashed, Sampling
 from pipeline.generation.feeder import EngineFeeder
 from pipeline.generation.policy import BatchSizeController, ControllerSettings, FixedBatchPolicy
 from tests.helpers.fake_engine import FakeEngine
@@ -312,6 +312,28 @@ def test_an_engine_that_cannot_recover_fails_every_open_call(memory):
     assert len(errors) == 2 and all(reason in e for e in errors)
     with pytest.raises(RuntimeError):
         feeder.serve("le128", rows(2), SAMPLING)
+
+
+@pytest.mark.parametrize("memory", [False, True])
+def test_a_core_that_dies_between_steps_is_the_engines_death_not_its_rows_errors(memory):
+    """The core dies while the engine waits for rows (vLLM then refuses every request): the
+    next call's rows are not given the error one by one. A crash ends the call for the
+    actor's restart, every row still to do; a death of memory rebuilds the engine, and
+    every row completes."""
+    engine = FakeEngine()
+    feeder = EngineFeeder(engine, FixedBatchPolicy(4))
+    first = feeder.serve("le128", rows(4), SAMPLING)
+    assert all(c.error is None for c in first.completions.values())
+    engine.kill_core(memory=memory)  # between calls: nothing in flight, no step to fail
+    if not memory:
+        with pytest.raises(EngineCrashed, match="not of memory"):
+            feeder.serve("le128", rows(6), SAMPLING)
+        assert engine.rebuilds == []
+        return
+    done = feeder.serve("le128", rows(6), SAMPLING)
+    assert sorted(done.completions) == list(range(6))
+    assert all(c.error is None for c in done.completions.values())
+    assert len(engine.rebuilds) == 1 and feeder.totals.oom_retries == 1
 
 
 def test_time_between_calls_is_not_busy_time():
