@@ -28,7 +28,10 @@ def test_the_split_adds_up_to_the_uss_and_sees_touched_shared_memory(tmp_path):
             p = psutil.Process()
             kinds = uss_by_kind(p, str(tmp_path))
             assert kinds["object store (shared memory)"] >= 8 << 20
-            assert abs(sum(kinds.values()) - p.memory_full_info().uss) < 2 << 20
+            # Two readings of a live process, a moment apart (in a test worker that has
+            # imported vLLM, a few MiB moved between them): equal within 2%.
+            uss = p.memory_full_info().uss
+            assert abs(sum(kinds.values()) - uss) <= max(4 << 20, uss // 50)
     finally:
         os.unlink(path)
 
