@@ -456,7 +456,7 @@ def ray_data_llm(corpus: str, output: str, sets: list[str], result: str, profile
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from pipeline.run.job import WORKER_ENV_DEFAULTS
+    from pipeline.run.job import worker_env
 
     # 1. The same config, model, prompts and sampling as every other system.
     started = time.monotonic()
@@ -475,7 +475,9 @@ def ray_data_llm(corpus: str, output: str, sets: list[str], result: str, profile
     import ray.data
     from ray.data.llm import build_processor, vLLMEngineProcessorConfig
 
-    env = {**{k: os.environ.get(k, v) for k, v in WORKER_ENV_DEFAULTS.items()}, **same.engine_env}
+    # As its documentation sets Ray up: a cluster's worker environment (Ray's own pool of
+    # Parquet footer readers), with the engine's.
+    env = {**worker_env(local=False), **same.engine_env}
     ray.init(num_cpus=hw.ray_num_cpus, num_gpus=hw.num_engines if hw.accelerator == "cpu" else None,
              include_dashboard=False, runtime_env={"env_vars": env})
 

@@ -139,10 +139,11 @@ class Sampler:
                     continue
                 peak = self.peaks.setdefault(r, {"rss": 0, "uss": 0, "uss_kinds": {}})
                 peak["rss"] = max(peak["rss"], rss)
-                if full and sum(kinds.values()) > peak["uss"]:
-                    peak["uss"], peak["uss_kinds"] = sum(kinds.values()), kinds
                 if full:
-                    now[r] = max(now.get(r, 0), sum(kinds.values()))
+                    uss = sum(kinds.values())
+                    if uss > peak["uss"]:
+                        peak["uss"], peak["uss_kinds"] = uss, kinds
+                    now[r] = max(now.get(r, 0), uss)
             for r, uss in now.items():
                 self.series.setdefault(r, []).append((round(time.monotonic() - self._t0, 1), uss))
             if full:
@@ -198,9 +199,8 @@ def one(rows: int, cap_mb: int, work: Path) -> dict:
 def quarters(series: list[tuple[float, int]]) -> list[int]:
     """The largest USS read in each quarter of a role's readings: a climb that lasts the run
     rises quarter by quarter; one that levels off does not."""
-    n = len(series)
-    return [max((b for _, b in series[n * q // 4:max(n * (q + 1) // 4, n * q // 4 + 1)]), default=0)
-            for q in range(4)] if n else []
+    bounds = [len(series) * q // 4 for q in range(5)]  # fewer than 4 readings: a quarter takes one
+    return [max(b for _, b in series[lo:max(hi, lo + 1)]) for lo, hi in zip(bounds, bounds[1:])] if series else []
 
 
 def main() -> None:
@@ -256,7 +256,7 @@ def main() -> None:
         "| process | " + " | ".join(f"{r['times_cap']}x cap" for r in results) + " |",
         "| --- | " + " | ".join("---" for _ in results) + " |",
         *(f"| {role_} | " + " | ".join(
-            ", ".join(str(q) for q in quarters(r.get("uss_series_mib", {}).get(role_, []))) or "-"
+            ", ".join(str(q) for q in quarters(r["uss_series_mib"].get(role_, []))) or "-"
             for r in results) + " |" for role_ in roles),
     ]
     Path(args.out + ".md").write_text("\n".join(lines) + "\n")
