@@ -137,7 +137,7 @@ class ServerEngine:
         self.max_num_seqs = settings.max_in_flight
         self.controller = InFlightController(settings.max_in_flight, settings.ttft_slo_ms,
                                              start=settings.start_in_flight, hold=settings.hold,
-                                             adaptive=settings.feedback)
+                                             adaptive=settings.feedback, probing=settings.probe_every_s > 0)
         self.startup_attempts: list[dict[str, Any]] = []
         self.rebuilds: list[dict[str, Any]] = []
         self.totals = ServerTotals()

@@ -27,12 +27,22 @@ others' rather than mistake ours for them.
   samples; one that lasts halves the limit again every `hold` + 1 samples.
 - Grow when no reason has been seen for `hold` samples in a row, nothing waits, our
   requests filled the limit (a limit we did not use says nothing about whether the
-  server could take more), and, while online traffic is there, an online request waits
-  under half the target: by half again up to the threshold, by an eighth (at least one)
-  past it. A capacity back-off sets the threshold to the halved limit, so the limit
-  closes in on the level that hurt instead of jumping past it (TCP's slow-start
-  threshold); an online_ttft back-off leaves it, so the job climbs back quickly once
-  online traffic has gone.
+  server could take more), and, while online traffic is there, an online request has
+  headroom: it waits less than halfway from the least it waited lately (the lowest of the
+  last BASELINE_WINDOW readings: what the server gives it with little of ours in flight)
+  to the target. A target set just above what online requests wait anyway (1.2x their
+  P99 alone) leaves little room, and "under half the target" could then never hold: the
+  job sat at its floor. Growth is by half again up to the threshold, by an eighth (at
+  least one) past it and while online traffic is there (TCP's congestion avoidance: each
+  overshoot costs online requests their target). A capacity back-off sets the threshold
+  to the halved limit, so the limit closes in on the level that hurt instead of jumping
+  past it (TCP's slow-start threshold); an online_ttft back-off leaves it, so the job
+  climbs back quickly once online traffic has gone.
+
+What an online request waits is the probe's time to first token where the engine sends
+probes (`probing`): a sample without a probe's reading says nothing of it, neither back-off
+nor headroom. Ours are no measure there: they run at the job's lower priority and wait
+behind online requests and each other. Without probes, ours are the measure.
 
 Oscillation bound (capacity reasons; online_ttft back-offs follow the online load). Under
 steady conditions where a capacity reason fires once the limit reaches some level L,
@@ -50,8 +60,16 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-OTHERS_WINDOW = 4  # samples: others' finished requests are compared with the count this many samples back
+# Samples: others' finished requests are compared with the count this many samples back.
+# What the bracket cannot tell apart is ours finishing while it is read (two readings'
+# worth: about 15 requests at 140 of ours a second), while others' add up with time: 2
+# online requests a second beside 64 of ours went unseen over 4 samples (2 s), so the job
+# kept 64 in flight through the load. 16 samples (8 s) see them; traffic that stops is
+# then still seen for up to 16 + ONLINE_MEMORY samples (the job only grows by an eighth
+# meanwhile, and only while the probe has headroom).
+OTHERS_WINDOW = 16
 ONLINE_MEMORY = 4  # samples: online traffic seen this recently is still there
+BASELINE_WINDOW = 120  # readings of an online request's time to first token: the least of these is its baseline
 
 
 @dataclass(frozen=True)
@@ -99,6 +117,7 @@ class InFlightController:
     floor: int = 1
     hold: int = 2  # samples
     adaptive: bool = True  # False: the limit stays at `start` (samples are still recorded)
+    probing: bool = False  # the engine sends online-priority probes: only theirs measure an online request's wait
     limit: int = field(init=False)
     _since_backoff: int = field(init=False, default=1 << 30)  # samples since the last back-off
     _clear: int = field(init=False, default=0)  # samples in a row with no reason to back off
@@ -110,6 +129,7 @@ class InFlightController:
     _online_seen: int | None = field(init=False, default=None)  # the last sample that saw online traffic
     online_present: bool = field(init=False, default=False)  # as of the last sample
     threshold: int | None = field(init=False, default=None)  # growth is by an eighth from here on
+    _online_ttfts: deque[float] = field(init=False, default_factory=lambda: deque(maxlen=BASELINE_WINDOW))
     _samples: int = field(init=False, default=0)
     _t0: float = field(init=False, default_factory=time.monotonic)
     started_at: float = field(init=False, default_factory=time.time)  # the steps' `t` counts from here (Unix time)
@@ -134,8 +154,9 @@ class InFlightController:
         return (finished and before) or (s.foreign > 0 and self._foreign_before)
 
     def online_ttft_ms(self, s: ServerSample) -> float | None:
-        """What an online request waits for its first token now: the probe's, else ours."""
-        return s.probe_ttft_ms if s.probe_ttft_ms is not None else s.ttft_ms
+        """What an online request waits for its first token now: the probe's; ours only
+        where no probes are sent (None: this sample does not say)."""
+        return s.probe_ttft_ms if s.probe_ttft_ms is not None or self.probing else s.ttft_ms
 
     def reasons(self, s: ServerSample, online: bool) -> list[str]:
         """Why `s` calls for a back-off ([] if it does not); `online`: others' traffic is there."""
@@ -158,6 +179,8 @@ class InFlightController:
         online = self.online_present = (self._online_seen is not None
                                         and self._samples - self._online_seen < ONLINE_MEMORY)
         why = self.reasons(s, online)
+        if (ttft := self.online_ttft_ms(s)) is not None:
+            self._online_ttfts.append(ttft)
         self._queued_before = s.waiting > 0
         if s.others_done is not None:
             self._others_at_most.append(s.others_done[1])
@@ -181,7 +204,7 @@ class InFlightController:
                                       "ttft_ms": s.ttft_ms, "probe_ttft_ms": s.probe_ttft_ms, "online": online})
         elif (self._clear >= self.hold and s.waiting == 0 and s.in_flight >= self.limit
               and self.limit < self.max_in_flight and (not online or self._headroom(s))):
-            if self.threshold is None or self.limit < self.threshold:
+            if not online and (self.threshold is None or self.limit < self.threshold):
                 grown = min(self.limit + max(1, self.limit // 2), self.threshold or self.max_in_flight)
             else:
                 grown = self.limit + max(1, self.limit // 8)
@@ -192,9 +215,13 @@ class InFlightController:
         return self.limit
 
     def _headroom(self, s: ServerSample) -> bool:
-        """Online traffic is there, and an online request now waits under half the target."""
+        """Online traffic is there, and an online request now waits less than halfway from
+        the least it waited lately to the target (module docstring)."""
         ttft = self.online_ttft_ms(s)
-        return ttft is not None and ttft < self.ttft_slo_ms / 2
+        if ttft is None:
+            return False
+        least = min(min(self._online_ttfts, default=ttft), self.ttft_slo_ms)
+        return ttft < least + (self.ttft_slo_ms - least) / 2
 
     def trajectory(self) -> dict[str, Any]:
         """The limit over time (each change, each sample with a reason, and every 4th sample),

@@ -70,7 +70,10 @@ def test_online_load_brings_it_down_to_where_online_requests_meet_the_target_the
     under = drive(c, server, 30)
     # Seen in two samples running, then halved at each sample over the target, until it is met.
     assert under[:4] == [64, 32, 16, 16]
-    assert set(under[3:]) == {16} and c.online_present  # 50 + 10 x 18 = 230 ms: under, no room to grow
+    # 50 + 10 x 18 = 230 ms, under the target: it grows by ones while the probe waits less
+    # than halfway from the least it waited (230 ms) to the target, and stops at 20 (270 ms).
+    assert under[-1] == 20 and set(under[3:]) <= {16, 17, 18, 19, 20} and c.online_present
+    assert under[3:] == sorted(under[3:]) and len(c.backoffs) == 2
     assert all(b["reasons"] == ["online_ttft"] for b in c.backoffs)
     server.online, server.online_rate = 0, 0
     after = drive(c, server, 30)
@@ -83,6 +86,37 @@ def test_with_headroom_it_grows_under_online_traffic_too():
     server = SimServer(capacity=128, online=2, online_rate=2)
     limits = drive(c, server, 40)
     assert c.online_present and limits[-1] == 64 and c.backoffs == []  # 50 + 10 x 66 < 1000
+
+
+def test_a_target_just_above_what_online_requests_wait_alone_still_leaves_room_to_grow():
+    """The bench's case: online requests wait 10 ms with none of ours, the target is 12 ms
+    (1.2x), and each of ours running adds 0.25 ms. Growth by half the target's room (<= 6 ms)
+    could never happen; now it climbs to where the probe meets the target and stays under."""
+    c = InFlightController(max_in_flight=64, ttft_slo_ms=12, start=1, probing=True)
+    server = SimServer(capacity=128, base_ttft_ms=10, ms_per_running=0.25, online=1, online_rate=2)
+    limits = drive(c, server, 200)
+    assert c.online_present and c.backoffs == []
+    assert 4 <= limits[-1] <= 6  # 10 + 0.25 x (L + 1) under the target's halfway mark, 11 ms
+
+
+def test_with_probes_a_sample_without_one_says_nothing_of_online_requests():
+    """Ours wait long for a first token (they run at a lower priority): where probes are
+    sent, a sample without one neither backs off nor counts as room."""
+    def run(c: InFlightController, probe_every: int | None) -> None:
+        server = SimServer(capacity=128, base_ttft_ms=10, ms_per_running=1, ours_ttft_ms=500.0, online=1,
+                           online_rate=2)
+        for i in range(40):
+            s = server.sample(c.limit)
+            if probe_every is None or i % probe_every:
+                s = ServerSample(**{**s.__dict__, "probe_ttft_ms": None})
+            c.observe(s, now=c._t0 + i * 0.5)
+
+    c = InFlightController(max_in_flight=64, ttft_slo_ms=100, start=8, probing=True)
+    run(c, probe_every=2)
+    assert c.online_present and c.backoffs == [] and c.limit > 8
+    without = InFlightController(max_in_flight=64, ttft_slo_ms=100, start=8)  # no probes: ours are the measure
+    run(without, probe_every=None)
+    assert without.limit == 1 and {tuple(b["reasons"]) for b in without.backoffs} == {("online_ttft",)}
 
 
 def test_a_capacity_limit_bounds_the_oscillation_as_the_docstring_says():
