@@ -46,11 +46,11 @@ def next_night(corpus: pa.Table, night: int, fresh: pa.Table, edited: float, new
     return pa.Table.from_pylist(kept + added, schema=corpus.schema)
 
 
-def run_night(night: int, corpus: Path, out: Path) -> dict:
+def run_night(night: int, corpus: Path, out: Path, sets: tuple[str, ...] = ()) -> dict:
     date = f"2026-12-{night:02d}"
     cmd = [sys.executable, "-m", "pipeline", "run", "jobs/nightly_summarize.yaml", "--profile", "conf/local.yaml",
            "--date", date, "--input", str(corpus), "--output", str(out / "dt={date}"),
-           "--set", "batching.learned_limits=null"]
+           "--set", "batching.learned_limits=null", *(a for kv in sets for a in ("--set", kv))]
     out.mkdir(parents=True, exist_ok=True)
     launched = time.time()
     wall, _ = run_process(cmd, out / f"night{night}.log")
@@ -71,6 +71,8 @@ def main() -> None:
     parser.add_argument("--edited", type=float, default=0.03)
     parser.add_argument("--new", type=float, default=0.01)
     parser.add_argument("--removed", type=float, default=0.01)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a setting for every night's run (as `pipeline run --set`)")
     parser.add_argument("--out", default=str(REPO / "bench/results/nightly_week"))
     args = parser.parse_args()
 
@@ -88,7 +90,7 @@ def main() -> None:
                                     args.edited, args.new, args.removed, rng)
             path = work / f"corpus-{night}.parquet"
             pq.write_table(corpus, path)
-            nights.append(run_night(night, path, work / "out"))
+            nights.append(run_night(night, path, work / "out", tuple(args.set)))
             print(json.dumps(nights[-1]), flush=True)
 
     one, two = nights[0], nights[1]
@@ -108,7 +110,8 @@ def main() -> None:
         "",
         f"Machine: {machine['cpu']}, {machine['cores']} logical cores, {machine['memory_gib']} GiB; CPU flags "
         f"{', '.join(machine['cpu_flags']) or 'none of note'}; commit {git_commit()}. "
-        "`python -m bench.nightly_week` (make bench-nightly), one run per night.",
+        "`python -m bench.nightly_week` (make bench-nightly), one run per night"
+        + (f", with `--set {' --set '.join(args.set)}`" if args.set else "") + ".",
         "",
         "| night | rows | reused | generated | wall s | engine s | fixed start-up s | index build s | engine s saved |",
         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
