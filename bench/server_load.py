@@ -145,14 +145,13 @@ def markdown(results: dict[str, Any]) -> str:
     alone, solo = results["online_alone"], results["job_alone"]
     m = results["machine"]
     flags = ", ".join(f for f in m["cpu_flags"] if f.startswith(("avx", "amx")))
+    budget = f", step budget {results['server_step_tokens']} tokens" if results.get("server_step_tokens") else ""
     lines = [
         "# The job on a live server beside online traffic (`make bench-server`)",
         "",
         f"Commit {results['commit']}, {results['date']}. Machine: {m['cpu']}, {m['cores']} cores, "
         f"{m['memory_gib']} GiB; CPU flags {flags}. One vLLM server (CPU backend, the tiny model, "
-        f"`--scheduling-policy priority`, 64 sequences"
-        f"{', step budget ' + format(results['server_step_tokens']) + ' tokens' if results.get('server_step_tokens') else ''}"
-        f") on the same machine as the job. "
+        f"`--scheduling-policy priority`, 64 sequences{budget}) on the same machine as the job. "
         f"{results['rows']} rows, {results['max_tokens']} new tokens each; online: {results['rate']:g} requests/s, "
         f"priority 0, 8 new tokens, streamed. The server's processes and the online client keep to cores "
         f"{sorted(SERVER_CPUS)}, the job's to {sorted(JOB_CPUS)}: the server as on a host of its own. `engine.server.ttft_slo_ms` = 1.2 x the online P99 alone = "

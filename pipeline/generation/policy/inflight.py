@@ -158,10 +158,11 @@ class InFlightController:
         where no probes are sent (None: this sample does not say)."""
         return s.probe_ttft_ms if s.probe_ttft_ms is not None or self.probing else s.ttft_ms
 
-    def reasons(self, s: ServerSample, online: bool) -> list[str]:
-        """Why `s` calls for a back-off ([] if it does not); `online`: others' traffic is there."""
+    def reasons(self, s: ServerSample, online: bool, ttft: float | None) -> list[str]:
+        """Why `s` calls for a back-off ([] if it does not); `online`: others' traffic is
+        there; `ttft`: what an online request waits now (`online_ttft_ms`)."""
         why = []
-        if online and (ttft := self.online_ttft_ms(s)) is not None and ttft > self.ttft_slo_ms:
+        if online and ttft is not None and ttft > self.ttft_slo_ms:
             why.append("online_ttft")
         if s.waiting > 0 and self._queued_before:
             why.append("queue")
@@ -178,8 +179,9 @@ class InFlightController:
             self._online_seen = self._samples
         online = self.online_present = (self._online_seen is not None
                                         and self._samples - self._online_seen < ONLINE_MEMORY)
-        why = self.reasons(s, online)
-        if (ttft := self.online_ttft_ms(s)) is not None:
+        ttft = self.online_ttft_ms(s)
+        why = self.reasons(s, online, ttft)
+        if ttft is not None:
             self._online_ttfts.append(ttft)
         self._queued_before = s.waiting > 0
         if s.others_done is not None:
@@ -203,7 +205,7 @@ class InFlightController:
                                       "waiting": s.waiting, "running": s.running, "foreign": s.foreign,
                                       "ttft_ms": s.ttft_ms, "probe_ttft_ms": s.probe_ttft_ms, "online": online})
         elif (self._clear >= self.hold and s.waiting == 0 and s.in_flight >= self.limit
-              and self.limit < self.max_in_flight and (not online or self._headroom(s))):
+              and self.limit < self.max_in_flight and (not online or self._headroom(ttft))):
             if not online and (self.threshold is None or self.limit < self.threshold):
                 grown = min(self.limit + max(1, self.limit // 2), self.threshold or self.max_in_flight)
             else:
@@ -214,10 +216,9 @@ class InFlightController:
                                "foreign": s.foreign, "online": online, **({"reasons": why} if why else {})})
         return self.limit
 
-    def _headroom(self, s: ServerSample) -> bool:
-        """Online traffic is there, and an online request now waits less than halfway from
-        the least it waited lately to the target (module docstring)."""
-        ttft = self.online_ttft_ms(s)
+    def _headroom(self, ttft: float | None) -> bool:
+        """Online traffic is there, and an online request now waits (`ttft`) less than
+        halfway from the least it waited lately to the target (module docstring)."""
         if ttft is None:
             return False
         least = min(min(self._online_ttfts, default=ttft), self.ttft_slo_ms)

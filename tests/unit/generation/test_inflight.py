@@ -1,7 +1,7 @@
 """The in-flight policy against a simulated server: a scheduler with room for `capacity`
 requests, a latency curve, and online traffic that comes and goes."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 
@@ -108,7 +108,7 @@ def test_with_probes_a_sample_without_one_says_nothing_of_online_requests():
         for i in range(40):
             s = server.sample(c.limit)
             if probe_every is None or i % probe_every:
-                s = ServerSample(**{**s.__dict__, "probe_ttft_ms": None})
+                s = replace(s, probe_ttft_ms=None)
             c.observe(s, now=c._t0 + i * 0.5)
 
     c = InFlightController(max_in_flight=64, ttft_slo_ms=100, start=8, probing=True)
