@@ -375,7 +375,7 @@ def run(job: Path, profile: Path, input_path: str | None, overrides: tuple[str, 
     Output: Parquet parts (the input columns, then summary, [the annotation
     columns, raw_output,] prompt_tokens, output_tokens, finish_reason,
     truncated, original_tokens, chunks, bucket, status, error, notes,
-    latency_s, model, run_id, result_key, reused_from) and _report.json, published whole. Every input row comes out
+    latency_s, model, run_id, result_key, input_key, reused_from) and _report.json, published whole. Every input row comes out
     exactly once (with passages: once per passage), with status ok, error,
     skipped_too_long, invalid_output or empty_output (the model wrote only
     whitespace).

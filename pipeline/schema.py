@@ -61,6 +61,10 @@ GENERATED_FIELDS: tuple[pa.Field, ...] = (
     # (`pipeline.generation.result_key`): equal keys, equal results. Null where there is
     # none: no prompt, sampling without a seed, or a model known only by its hub id.
     pa.field("result_key", pa.string()),
+    # A digest of the row's inputs to its prompts and of every setting that makes them
+    # (`pipeline.generation.result_key.input_key`): a later run finds the row by it before
+    # tokenizing. Null where there is no result key, and in a passages job.
+    pa.field("input_key", pa.string()),
     # The earlier run this row's results were taken from (`reuse:`, `--reuse`): its run id
     # and date. Null where this run generated the row.
     pa.field("reused_from", pa.string()),

@@ -28,6 +28,22 @@ key promises the inputs were the same.
 Sampling with a temperature and no seed makes every result its own: there is no key
 (None), and nothing is reused. The key's text starts with its version
 (`KEY_VERSION`): a change to what goes in gets a new version, and no old key matches.
+
+A row's *input key* is found before it is tokenized, so that a later run skips
+tokenizing the rows it reuses:
+
+    ibase = input_key_base(base, prepare_parts)                # once per run
+    key = input_key(ibase, text, fields)                       # per row, in the prepare stage
+
+It digests the run's `base` (so every input of the result key's base is in it), every
+prepare setting that shapes a prompt (`prepare_parts`: templates, the text column, the
+length policy and limits, the corpus percentile cap, the bucket boundaries, how a null
+renders), and the row's own inputs to its prompts: its text and the rendered value of
+every field the prompt and annotation templates name. The tokenizer and chat template are
+in the model's digest, so equal input keys give equal token ids, truncation, chunks and
+buckets: equal result keys. The converse need not hold (a change to a column no template
+names leaves the prompt as it was); such a row is found by its result key after it is
+tokenized, as before.
 """
 
 from __future__ import annotations
@@ -43,6 +59,8 @@ from pipeline.generation.merge import sampling_key
 
 KEY_VERSION = 1
 PREFIX = f"v{KEY_VERSION}:"
+INPUT_KEY_VERSION = 1
+INPUT_PREFIX = f"i{INPUT_KEY_VERSION}:"
 
 
 def canonical(value: Any) -> Any:
@@ -97,3 +115,22 @@ def keys_of_rows(base: str | None, prompt_ids: list[Any], annotation_ids: list[A
     if base is None:
         return [None] * len(prompt_ids)
     return [result_key(base, p, a, c) for p, a, c in zip(prompt_ids, annotation_ids, chunks)]
+
+
+def input_key_base(base: str | None, prepare_parts: dict[str, Any]) -> str | None:
+    """What every row of a run shares in its input key: the result key's `base` and the
+    settings that turn a row into its prompts; None where `base` is."""
+    if base is None:
+        return None
+    parts = {"version": INPUT_KEY_VERSION, "base": base, "prepare": canonical(prepare_parts)}
+    return hashlib.blake2b(json.dumps(parts, sort_keys=True).encode(), digest_size=16).hexdigest()
+
+
+def input_key(base: str, text: str, fields: list[str]) -> str:
+    """A row's input key: `base`'s, its text (as the prompt takes it, before truncation)
+    and its templates' rendered field values, each tagged and sized."""
+    h = hashlib.blake2b(base.encode(), digest_size=16)
+    for tag, value in [(b"t", text), *((b"f", f) for f in fields)]:
+        data = value.encode("utf-8", "surrogatepass")
+        h.update(tag + len(data).to_bytes(8, "little") + data)
+    return INPUT_PREFIX + h.hexdigest()

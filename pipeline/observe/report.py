@@ -364,7 +364,10 @@ def reuse_section(ctx: RunContext, written: dict[str, Any], actors: list[dict[st
         "notes": notes,
         "lookup": None if index is None else {"keys": index.keys, "shards": index.shard_count,
                                                "index_s": round(index.seconds, 3),
-                                               "rows_looked_up": index.looked_up},
+                                               "rows_looked_up": index.looked_up,
+                                               # Found by their input key: never tokenized.
+                                               "rows_found_before_tokenizing": (index.inputs_looked_up[1]
+                                                   if index.inputs_looked_up is not None else None)},
         "rows_reused": reused,
         "rows_generated": written["rows"] - reused,
         "output_tokens_not_generated": tokens,

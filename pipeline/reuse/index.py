@@ -13,6 +13,12 @@ hold every row back until both sides were shuffled).
 A key found in several earlier outputs takes the newest's row (equal keys, equal
 results: what differs is which run it names). Rows that were not `ok` are not indexed:
 they are generated again.
+
+Earlier rows are also indexed by their input key (`pipeline.generation.result_key`),
+in the shard of that key, with what the prepare stage made of them (their prompt's
+tokens, truncation, chunks, bucket and result key). The prepare stage looks each row's
+input key up before tokenizing it (`look_up_inputs`): a row found there is not
+tokenized at all, and the lookup after prepare asks only for the others' result keys.
 """
 
 from __future__ import annotations
@@ -36,6 +42,9 @@ REUSED_PREFIX = "_reused."  # the earlier row's result columns, travelling to th
 # What a reused row takes from its earlier one; the rest is this run's (prepare computes
 # the same prompt tokens, truncation, chunks and bucket for the same key).
 BASE_RESULTS = ("summary", "output_tokens", "finish_reason", "latency_s")
+# What a row found by its input key takes besides: what prepare would compute again.
+PREPARED = ("prompt_tokens", "truncated", "original_tokens", "chunks", "bucket", "result_key")
+INPUT_KEY = "input_key"
 ANNOTATION_RESULTS = (schema.RAW_OUTPUT.name, schema.ANNOTATION_TRIES.name, schema.SUMMARY_FINISH.name)
 
 
@@ -57,23 +66,31 @@ def shard_count(rows: int) -> int:
 
 
 class KeyShard:
-    """One shard of the index (a Ray actor): its keys, each with its row of results."""
+    """One shard of the index (a Ray actor): its keys, each with its row of results. A row
+    is held once, for its result key, its input key, or both where both are this shard's."""
 
     def __init__(self) -> None:
         self._tables: list[pa.Table] = []
         self._rows = 0
-        self._index: dict[str, tuple[int, int]] = {}  # key -> (rank of its source, row)
+        self._index: dict[str, tuple[int, int]] = {}  # result key -> (rank of its source, row)
+        self._inputs: dict[str, tuple[int, int]] = {}  # input key -> (rank of its source, row)
         self._table: pa.Table | None = None
         self._asked = 0  # keys looked up here (a resumed run asks none of its committed rows')
+        self._inputs_asked = 0
+        self._inputs_found = 0
 
     def add(self, table: pa.Table, rank: int) -> int:
-        """Rows of one source (`rank` 0 is the newest): `result_key` and the results."""
-        index = self._index
-        for row, key in enumerate(table.column("result_key").to_pylist(), self._rows):
-            have = index.get(key)
-            if have is None or rank < have[0]:
-                index[key] = (rank, row)
-        self._tables.append(table.drop_columns(["result_key"]))
+        """Rows of one source (`rank` 0 is the newest): `result_key` (null for a row held
+        only for its input key), `input_key` where the source has them, and the results."""
+        inputs = table.column(INPUT_KEY).to_pylist() if INPUT_KEY in table.column_names else []
+        for index, keys in ((self._index, table.column("result_key").to_pylist()), (self._inputs, inputs)):
+            for row, key in enumerate(keys, self._rows):
+                if key is None:
+                    continue
+                have = index.get(key)
+                if have is None or rank < have[0]:
+                    index[key] = (rank, row)
+        self._tables.append(table.drop_columns([c for c in ("result_key", INPUT_KEY) if c in table.column_names]))
         self._rows += table.num_rows
         self._table = None
         return table.num_rows
@@ -84,35 +101,63 @@ class KeyShard:
     def asked(self) -> int:
         return self._asked
 
-    def load(self, files: list[tuple[str, int, str]], number: int, shards: int,
+    def inputs_asked(self) -> tuple[int, int]:
+        """(input keys looked up here, of them found)."""
+        return self._inputs_asked, self._inputs_found
+
+    def load(self, files: list[tuple[str, int, str, bool]], number: int, shards: int,
              columns: list[str]) -> tuple[int, float]:
         """Read the earlier outputs' files, one at a time, keeping this shard's keyed `ok`
-        rows (each file: its URI, its source's rank, its source's label). (keys held, seconds)."""
+        rows (each file: its URI, its source's rank, its source's label, whether its rows
+        have input keys). (result keys held, seconds)."""
         import pyarrow.parquet as pq
 
         from pipeline.storage.fs import resolve
 
         t = time.monotonic()
-        for uri, rank, label in files:
+        for uri, rank, label, inputs in files:
             fs, path = resolve(uri)
-            table = _ok_keyed(pq.read_table(path, columns=["result_key", "status", *columns], filesystem=fs))
-            keys = table.column("result_key").to_pylist()
-            table = table.take(pa.array([i for i, k in enumerate(keys) if shard_of(k, shards) == number], pa.int64()))
-            self.add(pa.table({"result_key": table.column("result_key"),
-                               REUSED_FROM: pa.array([label] * table.num_rows, pa.string()),
-                               **{REUSED_PREFIX + c: table.column(c) for c in columns}}), rank)
+            wanted = ["result_key", "status", *columns]
+            if inputs:
+                wanted += [INPUT_KEY, *(c for c in PREPARED if c not in wanted)]
+            table = _ok_keyed(pq.read_table(path, columns=wanted, filesystem=fs))
+            mine = [shard_of(k, shards) == number for k in table.column("result_key").to_pylist()]
+            by_input = ([k is not None and shard_of(k, shards) == number for k in table.column(INPUT_KEY).to_pylist()]
+                        if inputs else [False] * len(mine))
+            keep = [i for i, (a, b) in enumerate(zip(mine, by_input)) if a or b]
+            table = table.take(pa.array(keep, pa.int64()))
+            held = {"result_key": pa.array([k if mine[i] else None for i, k in
+                                            zip(keep, table.column("result_key").to_pylist())], pa.string()),
+                    REUSED_FROM: pa.array([label] * table.num_rows, pa.string()),
+                    **{REUSED_PREFIX + c: table.column(c) for c in columns}}
+            if inputs:
+                held[INPUT_KEY] = pa.array([k if by_input[i] else None for i, k in
+                                            zip(keep, table.column(INPUT_KEY).to_pylist())], pa.string())
+                held |= {REUSED_PREFIX + c: table.column(c) for c in PREPARED if c not in columns}
+            self.add(pa.table(held), rank)
         return self.size(), time.monotonic() - t
 
-    def look_up(self, keys: list[str]) -> pa.Table:
-        """The results of each key's earlier row, in order; a row of nulls where none."""
-        self._asked += len(keys)
+    def _rows_of(self, index: dict[str, tuple[int, int]], keys: list[str]) -> pa.Table:
         if self._table is None and self._tables:
-            self._table = pa.concat_tables(self._tables)
+            self._table = pa.concat_tables(self._tables, promote_options="permissive")
             self._tables = [self._table]
         if self._table is None:
             return pa.table({REUSED_FROM: pa.nulls(len(keys), pa.string())})
-        rows = [self._index.get(k, (0, None))[1] for k in keys]
+        rows = [index.get(k, (0, None))[1] for k in keys]
         return self._table.take(pa.array(rows, pa.int64()))
+
+    def look_up(self, keys: list[str]) -> pa.Table:
+        """The results of each result key's earlier row, in order; a row of nulls where none."""
+        self._asked += len(keys)
+        return self._rows_of(self._index, keys)
+
+    def look_up_inputs(self, keys: list[str]) -> pa.Table:
+        """The results and prepared columns of each input key's earlier row, in order; a
+        row of nulls where none."""
+        out = self._rows_of(self._inputs, keys)
+        self._inputs_asked += len(keys)
+        self._inputs_found += len(keys) - out.column(REUSED_FROM).null_count
+        return out
 
 
 def _ok_keyed(batch: pa.Table) -> pa.Table:
@@ -136,11 +181,13 @@ class ReuseIndex:
         self.columns = columns
         rows = sum(s.rows for s in self.sources)
         self.shard_count = shard_count(rows)
-        files = [(uri, rank, s.label) for rank, s in enumerate(self.sources) for uri in s.uris()]
+        files = [(uri, rank, s.label, s.input_keys) for rank, s in enumerate(self.sources) for uri in s.uris()]
+        self.inputs = any(s.input_keys for s in self.sources)  # rows can be found before they are tokenized
         self.shards = [ray.remote(num_cpus=0)(KeyShard).remote() for _ in range(self.shard_count)]
         self._loads = [s.load.remote(files, k, self.shard_count, columns) for k, s in enumerate(self.shards)]
         self._loaded: list[tuple[int, float]] | None = None
         self.looked_up: int | None = None  # keys the run looked up, counted by the shards as they end
+        self.inputs_looked_up: tuple[int, int] | None = None  # input keys looked up, found
 
     def _wait(self) -> list[tuple[int, float]]:
         import ray
@@ -170,9 +217,12 @@ class ReuseIndex:
                 self._loaded = []
         if self.shards:
             try:
-                self.looked_up = sum(ray.get([s.asked.remote() for s in self.shards]))
+                inputs = ray.get([s.inputs_asked.remote() for s in self.shards])
+                self.inputs_looked_up = (sum(a for a, _ in inputs), sum(f for _, f in inputs))
+                # Rows asked about: by result key, or found by their input key (never asked after).
+                self.looked_up = sum(ray.get([s.asked.remote() for s in self.shards])) + self.inputs_looked_up[1]
             except Exception:  # a shard that failed: its count is lost with it
-                self.looked_up = None
+                self.looked_up = self.inputs_looked_up = None
         for s in self.shards:
             ray.kill(s)
         self.shards = []
@@ -203,13 +253,47 @@ def rows_to_generate(batch: pa.Table) -> bool:
 
 
 def keyed_look_up(batch: pa.Table, base: str, shards: list[Any], columns: list[str], gate: Any = None) -> pa.Table:
-    """A prepared batch with its rows' result keys (`result_key`), then looked up. A batch
-    with a row to generate tells the engine pool's `gate` (one message, not awaited), so
-    the engines start while the rest of the corpus is read."""
-    out = look_up(batch.append_column("result_key", batch_keys(batch, base)), shards, columns)
+    """A prepared batch with its rows' result keys (`result_key`), then looked up. Rows the
+    prepare stage found by their input key keep what it found (and the result key it
+    brought); only the others are keyed and looked up. A batch with a row to generate
+    tells the engine pool's `gate` (one message, not awaited), so the engines start while
+    the rest of the corpus is read."""
+    if REUSED_FROM not in batch.column_names:
+        out = look_up(batch.append_column("result_key", batch_keys(batch, base)), shards, columns)
+    else:
+        found = pc.fill_null(batch.column(REUSED_FROM).is_valid(), False)
+        done = batch.filter(found)
+        done = done.append_column("result_key", done.column(REUSED_PREFIX + "result_key").cast(pa.string()))
+        rest = batch.filter(pc.invert(found)).drop_columns(
+            [c for c in batch.column_names if c.startswith(REUSED_PREFIX) or c == REUSED_FROM])
+        rest = look_up(rest.append_column("result_key", batch_keys(rest, base)), shards, columns)
+        done = done.select([c for c in rest.column_names if c in done.column_names])
+        out = pa.concat_tables([done, rest], promote_options="permissive")
+        # Back in the batch's order: the found rows first in `out`, then the rest.
+        order = pc.indices_nonzero(found).to_pylist() + pc.indices_nonzero(pc.invert(found)).to_pylist()
+        position = [0] * len(order)
+        for at, i in enumerate(order):
+            position[i] = at
+        out = out.take(pa.array(position, pa.int64()))
     if gate is not None and rows_to_generate(out):
         gate.work_found()
     return out
+
+
+def look_up_inputs(keys: list[str | None], shards: list[Any]) -> pa.Table | None:
+    """Each input key's earlier row (`_reused_from`, `_reused.<column>`, the prepared
+    columns among them), aligned with `keys`; nulls where none. None where no key was found."""
+    import ray
+
+    rows = by_shard(keys, len(shards))
+    if not rows:
+        return None
+    found = ray.get([shards[s].look_up_inputs.remote([keys[i] for i in members]) for s, members in rows.items()])
+    if all(t.column(REUSED_FROM).null_count == t.num_rows for t in found):
+        return None
+    names = dict.fromkeys(n[len(REUSED_PREFIX):] for t in found for n in t.column_names if n.startswith(REUSED_PREFIX))
+    keyed = with_found(pa.table({INPUT_KEY: pa.array(keys, pa.string())}), list(rows.values()), found, list(names))
+    return keyed.drop_columns([INPUT_KEY])
 
 
 def by_shard(keys: list[str | None], shards: int) -> dict[int, list[int]]:

@@ -15,7 +15,7 @@ started; `--reuse PATH` keeps every output it names.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pyarrow.fs as pafs
@@ -45,6 +45,7 @@ class EarlierOutput:
     # Its rows' engine seconds per output token, reused ones at what they cost when made
     # (its report's reuse.engine_s_per_token); None: it reused nothing, see `seconds_per_token`.
     carried_rate: float | None = None
+    input_keys: bool = False  # its rows have input keys (`comparable` reads its footer)
 
     @property
     def label(self) -> str:
@@ -156,7 +157,8 @@ def describe(outputs: list[EarlierOutput]) -> list[dict[str, Any]]:
 
 def comparable(sources: list[EarlierOutput], columns: list[str]) -> tuple[list[EarlierOutput], list[str]]:
     """The sources whose rows have keys and every one of `columns` (read from one file's
-    footer each), and a note for each left out: no row of theirs could match this run's."""
+    footer each), and a note for each left out: no row of theirs could match this run's.
+    Those kept say whether their rows have input keys too (outputs written before them do not)."""
     import pyarrow.parquet as pq
 
     keep, notes = [], []
@@ -171,5 +173,5 @@ def comparable(sources: list[EarlierOutput], columns: list[str]) -> tuple[list[E
             notes.append(f"{src.path}: has no {', '.join(missing)} column: another job's output, whose keys "
                          "cannot match this one's")
             continue
-        keep.append(src)
+        keep.append(replace(src, input_keys="input_key" in names))
     return keep, notes

@@ -152,9 +152,10 @@ def skip_committed(batch: pa.Table, committed: list[Any], columns: list[str]) ->
 
 
 def read_and_prepare(config: RunConfig, inputs: Any, settings: PrepareSettings,
-                     skip: tuple[Any, list[str]] | None = None) -> Any:
+                     skip: tuple[Any, list[str]] | None = None, shards: list[Any] | None = None) -> Any:
     """The input read and run through the prepare stage (lazy: nothing runs yet). `skip`:
-    (ObjectRef of committed keys, key columns) of a resumed run."""
+    (ObjectRef of committed keys, key columns) of a resumed run. `shards`: the reuse
+    index's, where rows may be found by their input key before they are tokenized."""
     from ray.data import ActorPoolStrategy
 
     from pipeline.stages.prepare import PrepareStage
@@ -174,7 +175,7 @@ def read_and_prepare(config: RunConfig, inputs: Any, settings: PrepareSettings,
     rows = config.profile.batching.prepare_batch_rows
     ds = ds.repartition(target_num_rows_per_block=rows).map_batches(
         PrepareStage,
-        fn_constructor_kwargs={"settings": settings},
+        fn_constructor_kwargs={"settings": settings, "shards": shards},
         batch_size=rows,
         batch_format="pyarrow",
         compute=ActorPoolStrategy(size=config.profile.hardware.prepare_actors),
@@ -427,9 +428,13 @@ def build_dataset(ctx: RunContext, target: OutputTarget, gate: Any = None) -> tu
     if profile.debug.hold_input_until_output_s and target.local:
         prepare = replace(prepare, hold_until=f"{target.staging.root}/{COMMITS}",
                           hold_s=profile.debug.hold_input_until_output_s, hold_after_rows=profile.bucketing.window_rows)
-    ds = read_and_prepare(config, ctx.inputs, prepare, skip)
     ctx.result_key = result_keys(config, prepare)
+    if job.passages is None:  # a document's passages have no input key: they are found by their result keys
+        prepare = replace(prepare, input_key_base=ctx.result_key["input_base"])
     ctx.reuse_index = reuse_index(ctx)
+    index = ctx.reuse_index
+    ds = read_and_prepare(config, ctx.inputs, prepare, skip,
+                          shards=index.shards if index is not None and index.inputs else None)
     if ctx.reuse_index is not None:  # each row's key looked up as it streams by
         index = ctx.reuse_index
         ds = ds.map_batches(keyed_look_up, fn_kwargs={"base": ctx.result_key["base"], "shards": index.shards,

@@ -17,7 +17,7 @@ from pipeline.config import EngineConfig, ProfileConfig, RunConfig, SamplingConf
 from pipeline.generation.engine import Sampling
 from pipeline.generation.hf import HFSettings
 from pipeline.generation.merge import sampling_key
-from pipeline.generation.result_key import KEY_VERSION, run_key_base
+from pipeline.generation.result_key import INPUT_KEY_VERSION, KEY_VERSION, input_key_base, run_key_base
 from pipeline.generation.server import ServerSettings
 from pipeline.generation.vllm import VLLMSettings
 from pipeline.models.digest import model_digest
@@ -223,12 +223,14 @@ def generate_settings(config: RunConfig, prepare: PrepareSettings, run_id: str,
 
 def result_keys(config: RunConfig, prepare: PrepareSettings) -> dict[str, Any]:
     """The run's share of every row's result key (`pipeline.generation.result_key`), for
-    the generate stage and the report: {version, model_digest, base, off}; `base` None
-    and `off` saying why where the run's results cannot be keyed. The model is digested by
+    the generate stage and the report: {version, model_digest, base, off, input_version,
+    input_base}; `base` None and `off` saying why where the run's results cannot be keyed;
+    `input_base` the share of every row's input key (None where `base` is). The model is digested by
     content (`pipeline.models.digest`: once per folder, then kept with its files' sizes
     and times)."""
     sampling = sampling_of(config.job.sampling)
-    out: dict[str, Any] = {"version": KEY_VERSION, "model_digest": None, "base": None, "off": None}
+    out: dict[str, Any] = {"version": KEY_VERSION, "model_digest": None, "base": None, "off": None,
+                           "input_version": INPUT_KEY_VERSION, "input_base": None}
     if not Path(prepare.model_path).exists():
         out["off"] = f"model {config.profile.model.name!r} is a hub id: no files to key its results on"
         return out
@@ -250,6 +252,7 @@ def result_keys(config: RunConfig, prepare: PrepareSettings) -> dict[str, Any]:
         {"prompt": prepare.prompt, "annotation_prompt": prepare.annotation_prompt, "annotations": job.annotations,
          "annotation_max_new_tokens": prepare.annotation_max_new_tokens, "length": job.length,
          "passages": job.passages, "null_as": prepare.null_as})
+    out["input_base"] = input_key_base(out["base"], prepare.prompt_parts())
     return out
 
 

@@ -519,12 +519,15 @@ class GenerateStage:
         for i in reused:
             rows.status[i] = Status.OK.value
         out = batch.drop_columns([c for c in (schema.PROMPT_TOKEN_IDS, schema.CHUNK_TEXTS, "status", "error",
-                                              schema.ANNOTATION_TOKEN_IDS, "result_key") if c in batch.column_names])
+                                              schema.ANNOTATION_TOKEN_IDS, "result_key", "input_key")
+                                    if c in batch.column_names])
         columns = rows.columns(self.parser, self.annotations.column_prefix if self.annotations else "")
         columns |= {
             "model": pa.array([self.model_name] * batch.num_rows, pa.string()),
             "run_id": pa.array([self.run_id] * batch.num_rows, pa.string()),
             "result_key": keys,
+            "input_key": (batch.column("input_key") if "input_key" in batch.column_names
+                          else pa.nulls(batch.num_rows, pa.string())),
             "reused_from": (batch.column(REUSED_FROM) if REUSED_FROM in batch.column_names
                             else pa.nulls(batch.num_rows, pa.string())),
             schema.ENGINE_CALL: pa.array(rows.call_of, pa.string()),

@@ -26,7 +26,7 @@ import string
 import os
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import pyarrow as pa
@@ -36,6 +36,7 @@ from pipeline import schema
 from pipeline.text.bucketing import DEFAULT_BOUNDARIES, LengthBucketer
 from pipeline.config import LengthConfig, PassagesConfig
 from pipeline.config.models import parse_template
+from pipeline.generation.result_key import input_key
 from pipeline.text.length import char_span, truncate_ids, windows
 from pipeline.schema import Status
 
@@ -68,6 +69,17 @@ class PrepareSettings:
     hold_after_rows: int = 0
     hold_s: float = 0.0
     null_as: str = ""  # what a null field renders as
+    # The run's share of every row's input key (`pipeline.generation.result_key.input_key_base`);
+    # None: rows get no input key (no result key, or a passages job).
+    input_key_base: str | None = None
+
+    def prompt_parts(self) -> dict[str, Any]:
+        """The settings that turn a row into its prompts, for the input key: all but the
+        model's path (its content is in the key's base) and the debug drills."""
+        parts = asdict(self)
+        for name in ("model_path", "delay_s", "hold_until", "hold_after_rows", "hold_s", "input_key_base"):
+            parts.pop(name)
+        return parts
 
 
 @dataclass(frozen=True)
@@ -210,6 +222,8 @@ class _Row:
     bucket_tokens: int = 0  # what the row is bucketed by: its prompt, or its windows' prompts
     prompt_text: str | None = None  # the text the prompt was rendered with, when truncation changed it
     annotation_ids: list[int] | None = None
+    input_key: str | None = None
+    earlier: dict[str, Any] | None = None  # found by its input key: what prepare made of it before
 
     def fail(self, status: Status, message: str) -> None:
         self.status, self.error, self.ids = status.value, message, []
@@ -276,8 +290,11 @@ class PrepareStage:
     prompt further (the corpus percentile cap).
     """
 
-    def __init__(self, settings: PrepareSettings):
+    def __init__(self, settings: PrepareSettings, shards: list[Any] | None = None):
         self.settings = settings
+        # The reuse index's shards (`pipeline.reuse.index`): rows found there by their
+        # input key are not tokenized. None: every row is.
+        self.shards = shards
         self.id_column = settings.id_column
         self.text_column = settings.text_column
         self.length = settings.length
@@ -392,6 +409,9 @@ class PrepareStage:
             batch, work = self._explode(batch, work)
             rows = batch.to_pylist()
         valid = [i for i, w in enumerate(work) if w.status == Status.OK]
+        found = self._earlier(rows, work, valid)  # with reuse: rows made before, by their input key
+        if found is not None:
+            valid = [i for i in valid if work[i].earlier is None]
 
         # 2. Render and tokenize the batch in one call (the fast tokenizer parallelises it).
         for i, ids in zip(valid, self.encode([self.render(rows[i], work[i].text) for i in valid])):
@@ -402,7 +422,37 @@ class PrepareStage:
             self._annotation_prompts(rows, work, valid)  # 4.
         for name, values in self._columns(work).items():  # 5.
             batch = batch.append_column(name, values)
+        if found is not None:
+            for name in found.column_names:
+                batch = batch.append_column(name, found.column(name))
         return batch
+
+    def _earlier(self, rows: list[dict[str, Any]], work: list[_Row], valid: list[int]) -> pa.Table | None:
+        """1b. Each valid row's input key; with the reuse index, the earlier rows found by
+        them (`_reused_from`, `_reused.<column>`, aligned with the batch; None where none
+        was found), and each found row takes what prepare made of it then."""
+        base = self.settings.input_key_base
+        if base is None:
+            return None
+        fields = [r.fields for r in (self.renderer, self.annotator) if r is not None]
+        for i in valid:
+            w = work[i]
+            row = {**rows[i], self.text_column: w.text}
+            w.input_key = input_key(base, w.text, [r.value(row, c, sub) for r, names in
+                                                   zip((self.renderer, self.annotator), fields) for c, sub in names])
+        if not self.shards:
+            return None
+        from pipeline.reuse.index import REUSED_FROM, REUSED_PREFIX, look_up_inputs
+
+        found = look_up_inputs([w.input_key for w in work], self.shards)
+        if found is None:
+            return None
+        prepared = [c for c in found.column_names if c.startswith(REUSED_PREFIX)]
+        earlier = found.select(prepared).to_pylist()
+        for i, source in enumerate(found.column(REUSED_FROM).to_pylist()):
+            if source is not None:
+                work[i].earlier = {c[len(REUSED_PREFIX):]: v for c, v in earlier[i].items()}
+        return found
 
     def _hold(self, rows: int) -> None:
         """The hold drill (`debug.hold_input_until_output_s`): past the first rows, wait for
@@ -463,12 +513,18 @@ class PrepareStage:
     def _columns(self, work: list[_Row]) -> dict[str, pa.Array]:
         """5. The columns this stage adds, bucket included; a row never tokenized has no
         bucket (index 0 only orders it)."""
-        index = [self.bucketer.index(w.bucket_tokens) for w in work]
+        for w in work:  # a row found by its input key: as prepare made it before
+            if w.earlier is not None:
+                e = w.earlier
+                w.prompt_tokens, w.truncated, w.original_tokens = e["prompt_tokens"], e["truncated"], e["original_tokens"]
+        index = [self.bucketer.names.index(w.earlier["bucket"]) if w.earlier is not None
+                 else self.bucketer.index(w.bucket_tokens) for w in work]
         columns: dict[str, pa.Array] = {
             "prompt_tokens": pa.array([w.prompt_tokens for w in work], pa.int32()),
             "truncated": pa.array([w.truncated for w in work], pa.bool_()),
             "original_tokens": pa.array([w.original_tokens for w in work], pa.int32()),
-            "chunks": pa.array([len(w.chunk_texts) if w.chunk_texts else None for w in work], pa.int32()),
+            "chunks": pa.array([w.earlier["chunks"] if w.earlier is not None
+                                else len(w.chunk_texts) if w.chunk_texts else None for w in work], pa.int32()),
             "bucket": pa.array([self.bucketer.names[k] if w.prompt_tokens is not None else None
                                 for k, w in zip(index, work)], pa.string()),
             "status": pa.array([w.status for w in work], pa.string()),
@@ -481,6 +537,8 @@ class PrepareStage:
         if self.annotator is not None:
             columns[schema.ANNOTATION_TOKEN_IDS] = pa.array([w.annotation_ids for w in work], pa.list_(pa.int32()))
         columns[schema.PREPARED_AT] = pa.array([time.time()] * len(work), pa.float64())
+        if self.settings.input_key_base is not None:  # rows that came out of prepare ok have one
+            columns["input_key"] = pa.array([w.input_key if w.status == Status.OK else None for w in work], pa.string())
         return columns
 
     def text_tokens(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:

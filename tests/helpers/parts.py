@@ -27,6 +27,7 @@ def block(ids, bucket, call, first_stats=None, status="ok", texts=None, summarie
         "status": status if isinstance(status, list) else [status] * n, "error": pa.array([None] * n, pa.string()),
         "latency_s": [0.1] * n, "model": ["m"] * n, "run_id": ["r"] * n,
         "result_key": pa.array([None] * n, pa.string()),
+        "input_key": pa.array([None] * n, pa.string()),
         "reused_from": pa.array(reused_from or [None] * n, pa.string()),
         schema.BUCKET_INDEX: pa.array([0] * n, pa.int32()),
         schema.ENGINE_CALL: pa.array([call] * n, pa.string()),

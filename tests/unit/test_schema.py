@@ -11,7 +11,7 @@ def test_output_schema_order_and_types():
     assert out.names == [
         "id", "text", "source", "summary", "prompt_tokens", "output_tokens", "finish_reason", "truncated",
         "original_tokens", "chunks", "bucket", "status", "error", "notes", "latency_s", "model", "run_id",
-        "result_key", "reused_from",
+        "result_key", "input_key", "reused_from",
     ]
     types = {f.name: f.type for f in out}
     assert types["id"] == pa.int64()  # the id keeps its own type
@@ -19,7 +19,7 @@ def test_output_schema_order_and_types():
     assert types["truncated"] == pa.bool_() and not out.field("truncated").nullable
     assert types["latency_s"] == pa.float64()
     assert all(types[c] == pa.string() for c in ("summary", "finish_reason", "bucket", "status", "error", "notes", "model", "run_id",
-                                                "result_key", "reused_from"))
+                                                "result_key", "input_key", "reused_from"))
     assert not out.field("status").nullable and out.field("error").nullable
 
 

@@ -25,7 +25,8 @@ from tests.helpers.runs import committed_rows, end_all, read_run, run_cli, run_p
 
 JOB = REPO / "jobs/nightly_summarize.yaml"
 PROFILE = REPO / "conf/local.yaml"
-RESULTS = ("summary", "finish_reason", "output_tokens", "prompt_tokens", "truncated", "bucket", "result_key")
+RESULTS = ("summary", "finish_reason", "output_tokens", "prompt_tokens", "truncated", "bucket", "result_key",
+           "input_key")
 
 
 def keyed_sets(job_run):
@@ -122,6 +123,9 @@ def test_night_2_killed_and_resumed_neither_generates_nor_looks_up_a_committed_r
     mine = [r for r in run.written.to_pylist() if r["run_id"] == run.report["run_id"] and r["reused_from"] is None]
     actors = [a for a in run.report["engine"]["actors"] if a["ready_at"] >= nights["resumed_at"]]
     assert sum(a["requests"] + sum(a["merged"].values()) for a in actors) == len(mine)
+    # Every unchanged row it reused was found by its input key, before it was tokenized.
+    reused = [r for r in run.written.to_pylist() if r["run_id"] == run.report["run_id"] and r["reused_from"]]
+    assert reuse["lookup"]["rows_found_before_tokenizing"] == len(reused) > 0
 
 
 def test_night_2_keeps_night_1s_results_for_every_other_row(nights):
@@ -162,6 +166,7 @@ def test_a_night_whose_every_row_is_reused_starts_no_engine(nights, ray_tmp):
     report = json.loads((output / "_report.json").read_text())
     rows = nights["run"].written.num_rows
     assert report["reuse"]["rows_reused"] == rows and report["reuse"]["rows_generated"] == 0
+    assert report["reuse"]["lookup"]["rows_found_before_tokenizing"] == rows  # none tokenized
     assert report["reuse"]["sources"][0]["date"] == "2026-11-02"
     assert report["engine"]["actors"] == [] and report["engine_s"] == 0
     written = pq.read_table(output)
@@ -174,6 +179,7 @@ def test_night_3_with_another_template_generates_every_row(nights, tiny_model):
         *nights["sets"], "--set", "prompt.template=Summarize this {source} in one sentence.\n\n{text}"))
     assert run.report["reuse"]["rows_reused"] == 0 and run.report["reuse"]["rows_generated"] == run.written.num_rows
     assert run.written.column("reused_from").null_count == run.written.num_rows
+    assert run.report["reuse"]["lookup"]["rows_found_before_tokenizing"] == 0  # another template, other input keys
     assert sum(a["requests"] for a in run.report["engine"]["actors"]) > 0
 
 

@@ -76,7 +76,7 @@ def test_report_keys_and_types_are_pinned(job_run):
     for e in r["engine"]["engines"]:
         check(e, ENGINE, "engine.engines[]")
     assert set(r["tokens"]) == {"prompt", "output", "generated"}
-    assert set(r["result_key"]) == {"version", "model_digest", "base", "off"}
+    assert set(r["result_key"]) == {"version", "model_digest", "base", "off", "input_version", "input_base"}
     # The nightly job reuses its own earlier partitions; the shared run's output has none.
     check(r["reuse"], REUSE, "reuse")
     assert r["reuse"]["sources"] == [] and r["reuse"]["rows_reused"] == 0 and r["reuse"]["lookup"] is None

@@ -87,3 +87,42 @@ def test_a_run_without_model_files_or_a_seed_says_why_it_has_no_keys(tmp_path):
     sampled = config("sampling.temperature=0.8", "sampling.seed=null")
     off = result_keys(sampled, prepare_settings(sampled, str(tmp_path), 2048))
     assert off["base"] is None and "no seed" in off["off"]
+
+
+# The input key: found before tokenizing, so it must change wherever the prompt could.
+
+def test_a_rows_input_key_changes_with_its_text_and_each_field_told_apart():
+    from pipeline.generation.result_key import INPUT_PREFIX, input_key
+
+    same = input_key("b", "text", ["email", "x"])
+    assert same == input_key("b", "text", ["email", "x"]) and same.startswith(INPUT_PREFIX)
+    for other in (input_key("c", "text", ["email", "x"]), input_key("b", "text.", ["email", "x"]),
+                  input_key("b", "text", ["emai", "lx"]), input_key("b", "text", ["email"]),
+                  input_key("b", "textemail", ["x"])):
+        assert other != same
+
+
+def test_every_setting_that_shapes_a_prompt_changes_the_input_base_and_none_other(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"weights")
+
+    def keys(*sets, cap=None, **changes):
+        c = config(*sets)
+        prepare = replace(prepare_settings(c, str(model), 2048, cap_tokens=cap), **changes)
+        return result_keys(c, prepare)
+
+    plain = keys()
+    assert plain["input_base"] is not None and plain["input_version"] == 1
+    # Every input of the result key's base is one of the input key's too.
+    for related in ("sampling.max_new_tokens=48", "engine.dtype=float32", "prompt.template='Say: {text}'",
+                    "length.policy=chunk", "input.null_as=none", "bucketing.boundaries=[64, 128]"):
+        assert keys(related)["input_base"] != plain["input_base"], related
+    for change in ({"text_column": "body"}, {"max_model_len": 1024}):
+        assert keys(**change)["input_base"] != plain["input_base"], change
+    assert keys(cap=100)["input_base"] != plain["input_base"]  # the corpus percentile cap
+    # Where the model lies, the debug drills and batch sizes change no prompt.
+    assert keys("batching.prepare_batch_rows=7", "batching.generate_batch_rows=32", delay_s=1.0, hold_s=3.0,
+                hold_until="/x")["input_base"] == plain["input_base"]
+    hub = result_keys(config(), prepare_settings(config(), "someone/some-model", 2048))
+    assert hub["input_base"] is None  # no result key, no input key

@@ -3,8 +3,10 @@ objects here; tests/integration/run/test_nightly.py runs them as actors)."""
 
 import pyarrow as pa
 
-from pipeline.reuse.index import REUSED_FROM, REUSED_PREFIX, KeyShard, by_shard, result_columns, with_found
+from pipeline.reuse.index import (INPUT_KEY, PREPARED, REUSED_FROM, REUSED_PREFIX, KeyShard, by_shard, keyed_look_up,
+                                  look_up_inputs, result_columns, with_found)
 from pipeline import schema
+from tests.helpers.shards import Local
 
 
 def source(keys, summaries, label, tokens=4):
@@ -65,7 +67,7 @@ def test_each_shard_loads_only_its_own_keyed_ok_rows_from_the_files(tmp_path):
     pq.write_table(pa.table({"result_key": keys + [None], "status": status + ["ok"], "summary": [f"s{i}" for i in range(41)],
                              "output_tokens": pa.array([4] * 41, pa.int32())}), tmp_path / "part.parquet")
     shards = [KeyShard(), KeyShard()]
-    loaded = [s.load([(str(tmp_path / "part.parquet"), 0, "n1")], k, 2, ["summary", "output_tokens"])
+    loaded = [s.load([(str(tmp_path / "part.parquet"), 0, "n1", False)], k, 2, ["summary", "output_tokens"])
               for k, s in enumerate(shards)]
     assert sum(n for n, _ in loaded) == 39  # the error row and the row without a key are not indexed
     for k, s in enumerate(shards):
@@ -80,3 +82,66 @@ def test_a_window_puts_the_rows_to_generate_first_grouped_and_the_reused_after()
     batch = pa.table({"id": list("abcdef"), schema.BUCKET_INDEX: pa.array([1, 0, 1, 0, 0, 1], pa.int32()),
                       REUSED_FROM: ["n1", None, None, "n1", None, None]})
     assert group_window(batch).column("id").to_pylist() == ["b", "e", "c", "f", "a", "d"]
+
+
+def test_a_row_is_found_by_its_input_key_in_that_keys_shard_with_what_prepare_made_of_it(tmp_path):
+    import pyarrow.parquet as pq
+
+    n = 40
+    table = pa.table({"result_key": [f"v1:{i}" for i in range(n)], "input_key": [f"i1:{i}" for i in range(n - 1)] + [None],
+                      "status": ["ok"] * n, "summary": [f"s{i}" for i in range(n)],
+                      "output_tokens": pa.array([4] * n, pa.int32()), "prompt_tokens": pa.array(range(n), pa.int32()),
+                      "truncated": [False] * n, "original_tokens": pa.nulls(n, pa.int32()),
+                      "chunks": pa.nulls(n, pa.int32()), "bucket": ["le256"] * n})
+    pq.write_table(table, tmp_path / "part.parquet")
+    shards = [KeyShard(), KeyShard()]
+    for k, s in enumerate(shards):
+        s.load([(str(tmp_path / "part.parquet"), 0, "n1", True)], k, 2, ["summary", "output_tokens"])
+    assert sum(s.size() for s in shards) == n  # each result key once, as before
+    for i in (0, 7, 38):
+        shard = shards[by_shard([f"i1:{i}"], 2).popitem()[0]]
+        row = shard.look_up_inputs([f"i1:{i}"]).to_pylist()[0]
+        assert row[REUSED_FROM] == "n1" and row[REUSED_PREFIX + "summary"] == f"s{i}"
+        assert {c: row[REUSED_PREFIX + c] for c in PREPARED} == {
+            "prompt_tokens": i, "truncated": False, "original_tokens": None, "chunks": None, "bucket": "le256",
+            "result_key": f"v1:{i}"}
+    other = shards[1 - by_shard(["i1:0"], 2).popitem()[0]]
+    assert other.look_up_inputs(["i1:0"]).column(REUSED_FROM).to_pylist() == [None]  # not its shard's
+    asked = [s.inputs_asked() for s in shards]
+    assert sum(a for a, _ in asked) == 4 and sum(f for _, f in asked) == 3
+
+
+def test_the_lookup_after_prepare_keys_and_asks_only_the_rows_prepare_did_not_find(monkeypatch):
+    import ray
+
+    monkeypatch.setattr(ray, "get", lambda refs: refs)
+    base = "base"
+    from pipeline.generation.result_key import result_key
+
+    ids = [[1, 2], [3, 4], [5, 6], [7, 8]]
+    shard = KeyShard()
+    shard.add(source([result_key(base, ids[2])], ["by result key"], "n1"), 0)
+    # Rows 0 and 1 found before tokenizing (prepare's columns); 2 and 3 not.
+    batch = pa.table({"id": list("abcd"), "status": ["ok"] * 4,
+                      schema.PROMPT_TOKEN_IDS: pa.array([[], [], ids[2], ids[3]], pa.list_(pa.int32())),
+                      schema.CHUNK_TEXTS: pa.nulls(4, pa.list_(pa.string())),
+                      REUSED_FROM: ["n0", "n0", None, None],
+                      REUSED_PREFIX + "summary": ["by input 0", "by input 1", None, None],
+                      REUSED_PREFIX + "output_tokens": pa.array([4, 4, None, None], pa.int32()),
+                      REUSED_PREFIX + "prompt_tokens": pa.array([9, 9, None, None], pa.int32()),
+                      REUSED_PREFIX + "result_key": ["v1:a", "v1:b", None, None]})
+    out = keyed_look_up(batch, base, [Local(shard)], ["summary", "output_tokens"]).to_pydict()
+    assert out["id"] == list("abcd")  # in the batch's order
+    assert out[REUSED_FROM] == ["n0", "n0", "n1", None]
+    assert out[REUSED_PREFIX + "summary"] == ["by input 0", "by input 1", "by result key", None]
+    assert out["result_key"] == ["v1:a", "v1:b", result_key(base, ids[2]), result_key(base, ids[3])]
+    assert shard.asked() == 2  # only the rows prepare did not find
+
+
+def test_input_keys_found_nowhere_give_no_table(monkeypatch):
+    import ray
+
+    monkeypatch.setattr(ray, "get", lambda refs: refs)
+    shard = KeyShard()
+    assert look_up_inputs(["i1:x", None], [Local(shard)]) is None
+    assert look_up_inputs([None, None], [Local(shard)]) is None

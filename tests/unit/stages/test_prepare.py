@@ -201,3 +201,45 @@ def test_the_hold_drill_releases_the_input_once_a_part_is_committed(tiny_model, 
     t = clock.monotonic()
     bounded(batch)
     assert 0.5 <= clock.monotonic() - t < 3
+
+
+def test_rows_found_by_their_input_key_are_not_tokenized_again(tiny_model, monkeypatch):
+    """Night 1 writes each ok row's input key; on night 2 a row found by it takes what
+    prepare made of it then, and only the others reach the tokenizer."""
+    from dataclasses import replace
+
+    import ray
+
+    from pipeline.reuse.index import PREPARED, REUSED_FROM, REUSED_PREFIX, KeyShard
+    from tests.helpers.shards import Local
+
+    settings = replace(make_stage(tiny_model).settings, input_key_base="a run's base")
+    batch = pa.table({"id": ["a", "b", "c", "d"], "source": ["email", "email", "web", "web"],
+                      "text": ["Short note.", "A longer note about the weather today.", "", "Edited tonight."]})
+    night1 = PrepareStage(settings)(batch)
+    keys = night1.column("input_key").to_pylist()
+    assert keys[0] and keys[1] and keys[3] and keys[2] is None  # the empty text is an error row: no key
+    assert len(set(keys)) == 4
+    # The index holds night 1's rows a and b (d was edited since: its text differs).
+    held = night1.take([0, 1])
+    shard = KeyShard()
+    shard.add(pa.table({"result_key": ["v1:a", "v1:b"], "input_key": held.column("input_key"),
+                        REUSED_FROM: ["night1"] * 2, REUSED_PREFIX + "summary": ["sum a", "sum b"],
+                        **{REUSED_PREFIX + c: held.column(c) if c in held.column_names else pa.array(["v1:a", "v1:b"])
+                           for c in PREPARED}}), 0)
+    monkeypatch.setattr(ray, "get", lambda refs: refs)
+    stage = PrepareStage(settings, shards=[Local(shard)])
+    tokenized = []
+    encode = stage.encode
+    monkeypatch.setattr(stage, "encode", lambda prompts: tokenized.append(len(prompts)) or encode(prompts))
+    night2 = stage(batch.set_column(2, "text", pa.array(["Short note.", "A longer note about the weather today.", "",
+                                                         "Edited again."])))
+    assert sum(tokenized) == 1  # prompts tokenized: d alone (a and b were found, c is an error)
+    out = night2.to_pydict()
+    assert out[REUSED_FROM] == ["night1", "night1", None, None]
+    assert out[REUSED_PREFIX + "summary"] == ["sum a", "sum b", None, None]
+    assert out["input_key"][:2] == keys[:2] and out["input_key"][3] != keys[3]
+    for c in ("prompt_tokens", "truncated", "original_tokens", "chunks", "bucket", schema.BUCKET_INDEX):
+        assert out[c][:2] == night1.column(c).to_pylist()[:2], c
+    assert out["status"] == ["ok", "ok", "error", "ok"]
+    assert out["prompt_tokens"][3] == len(out[schema.PROMPT_TOKEN_IDS][3]) > 0
