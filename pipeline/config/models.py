@@ -192,6 +192,10 @@ class ReuseConfig(_Section):
         "runs started); null: every one.",
     )
     enabled: bool = Field(True, description="Off: every row is generated (--no-reuse).")
+    before_tokenizing: bool = Field(
+        True, description="Look each row up by its input key before tokenizing it (a row found is never "
+        "tokenized); off: by its result key only, after tokenizing, as `bench.nightly_ab` compares.",
+    )
 
 
 class JobConfig(_Section):

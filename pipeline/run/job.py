@@ -433,8 +433,8 @@ def build_dataset(ctx: RunContext, target: OutputTarget, gate: Any = None) -> tu
         prepare = replace(prepare, input_key_base=ctx.result_key["input_base"])
     ctx.reuse_index = reuse_index(ctx)
     index = ctx.reuse_index
-    ds = read_and_prepare(config, ctx.inputs, prepare, skip,
-                          shards=index.shards if index is not None and index.inputs else None)
+    before = index is not None and index.inputs and job.reuse.before_tokenizing
+    ds = read_and_prepare(config, ctx.inputs, prepare, skip, shards=index.shards if before else None)
     if ctx.reuse_index is not None:  # each row's key looked up as it streams by
         index = ctx.reuse_index
         ds = ds.map_batches(keyed_look_up, fn_kwargs={"base": ctx.result_key["base"], "shards": index.shards,

@@ -286,6 +286,11 @@ class GenerateStage:
 
     def __init__(self, settings: GenerateSettings, learned: dict[str, int] | None = None,
                  engine: Engine | None = None, exit_process: Callable[[int], Any] = os._exit):
+        # When this actor began, and with an engine on demand, when vLLM's import ended
+        # and when the lookup found work (Unix times; the report's engine actors).
+        self.born_at = round(time.time(), 3)
+        self.imported_at: float | None = None
+        self.work_found_at: float | None = None
         self.settings = settings
         self.grouping = settings.grouping
         self.model_name = settings.model_name
@@ -369,7 +374,9 @@ class GenerateStage:
             with self._starting:
                 if settings.backend == "vllm" and self.engine is None:
                     preload(self._warn_once())
+            self.imported_at = round(time.time(), 3)
             settings.pool_gate.await_work()
+            self.work_found_at = round(time.time(), 3)
             with self._starting:
                 if self.engine is None:
                     self._start_engine()
@@ -423,6 +430,9 @@ class GenerateStage:
         return {
             "actor": self.actor,
             **self.placement,
+            "born_at": self.born_at,
+            "imported_at": self.imported_at,
+            "work_found_at": self.work_found_at,
             "ready_at": self.ready_at,
             "last_end_at": round(time.time(), 3),
             "calls": t.calls,

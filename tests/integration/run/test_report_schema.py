@@ -28,7 +28,8 @@ CALL = {"call": str, "kind": str, "bucket": str, "buckets": list, "rows": int, "
         "min_prompt_tokens": int, "max_prompt_tokens": int, "wall_s": NUM, "busy_s": NUM, "step_s": NUM,
         "fill": (float, type(None)), "output_tokens": int, "steps": int, "peak_pressure": NUM,
         "peak_kv_cache_usage": NUM, "preemptions": int, "rejected": int, "actor": str, "started_at": NUM}
-ACTOR = {"actor": str, "host": str, "node": str, "pid": int, "package_path": str, "ready_at": NUM,
+ACTOR = {"actor": str, "host": str, "node": str, "pid": int, "package_path": str, "born_at": NUM,
+         "imported_at": (float, type(None)), "work_found_at": (float, type(None)), "ready_at": NUM,
          "last_end_at": NUM, "calls": int, "requests": int, "rows": int, "output_tokens": int, "serving_s": NUM,
          "idle_s": NUM, "busy_s": NUM, "step_s": NUM, "active_s": NUM, "busy_fraction": (float, type(None)),
          "windows": int, "oom_retries": int, "bisections": int, "rebuilds": list, "merged": dict, "pids": list,
