@@ -110,6 +110,9 @@ def test_night_2_generates_exactly_the_edited_new_and_failed_rows(nights):
     assert reuse["sources"][0]["rows_reused"] == reuse["rows_reused"] and reuse["lookup"]["keys"] > 0
     assert reuse["output_tokens_not_generated"] > 0 and reuse["engine_s_saved"] > 0
     assert f"reused: {reuse['rows_reused']:,} rows" in run.result.stdout  # and the run's summary says so
+    # The engine on demand: its actor imported vLLM, then was told of work, then built it.
+    actor = run.report["engine"]["actors"][-1]
+    assert actor["born_at"] <= actor["imported_at"] <= actor["work_found_at"] <= actor["ready_at"]
 
 
 def test_night_2_killed_and_resumed_neither_generates_nor_looks_up_a_committed_row_again(nights):
