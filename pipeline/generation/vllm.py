@@ -114,6 +114,23 @@ def claim_cpus(candidates: Sequence[int], count: int, claims: Path = CPU_CLAIMS)
     return got, held
 
 
+_CLAIMED: tuple[list[int], list[IO[str]]] | None = None  # this process's CPUs (`bind_process`), once
+
+
+def bind_process(run_cpus: Sequence[int]) -> list[int]:
+    """This process, every thread of it, to all but one of `run_cpus` that no other engine
+    of this machine holds (`claim_cpus`: claimed once per process, held while it lives;
+    threads created later inherit them). The CPUs it is bound to; [] where none was free."""
+    global _CLAIMED
+    if _CLAIMED is None:
+        _CLAIMED = claim_cpus(run_cpus, len(run_cpus) - 1)
+    cpus = _CLAIMED[0]
+    if not cpus:
+        log.info("every CPU of this run is another engine's: the engine's process stays unbound")
+        return []
+    return list(cpus) if bind_threads(os.getpid(), set(cpus)) else []
+
+
 @contextmanager
 def every_cpu() -> Iterator[None]:
     """This thread on every CPU it may use, for the while: vLLM's engine core, started from
@@ -195,8 +212,6 @@ class VLLMEngine:
         # debug.step_timeline: every step's time and load, across rebuilds too.
         self.timeline = StepTimeline() if settings.step_timeline else None
         self._bound: list[int] = []  # the CPUs this process was bound to (`bind_cpus`)
-        self._cpus: list[int] = []  # the CPUs claimed for it (`claim_cpus`) ...
-        self._claims: list[IO[str]] = []  # ... and their locks, held while this process lives
         self._build()
 
     # -- lifecycle ---------------------------------------------------------------
@@ -261,13 +276,9 @@ class VLLMEngine:
         CPUs that no other engine holds, as vLLM binds a worker of its own (threads created
         later inherit them; a rebuild binds the same again). Unbound, the step thread ran
         beside the run's other processes on every core, and each step took 1.13-1.16x raw
-        vLLM's; bound, 0.93-1.03x (bench/README, *Engine steps*)."""
-        if not self._claims:
-            self._cpus, self._claims = claim_cpus(run_cpus, len(run_cpus) - 1)
-        if not self._cpus:
-            log.info("every CPU of this run is another engine's: the engine's process stays unbound")
-        elif bind_threads(os.getpid(), set(self._cpus)):
-            self._bound = self._cpus
+        vLLM's; bound, 0.93-1.03x (bench/README, *Engine steps*). The engine actor binds the
+        same CPUs before vLLM's import (`GenerateStage`): the claim is the process's."""
+        self._bound = bind_process(run_cpus)
 
     def _watch_for_death(self) -> None:
         """Turn a silently dead engine core into an error instead of a hang.

@@ -139,7 +139,9 @@ class KeyShard:
 
     def _rows_of(self, index: dict[str, tuple[int, int]], keys: list[str]) -> pa.Table:
         if self._table is None and self._tables:
-            self._table = pa.concat_tables(self._tables, promote_options="permissive")
+            # One chunk per column: a take from a table of many chunks (a source file each)
+            # costs time with the whole table's size, at every lookup.
+            self._table = pa.concat_tables(self._tables, promote_options="permissive").combine_chunks()
             self._tables = [self._table]
         if self._table is None:
             return pa.table({REUSED_FROM: pa.nulls(len(keys), pa.string())})

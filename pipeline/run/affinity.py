@@ -21,8 +21,11 @@ own Ray instance, every thread of each, to the CPUs the workers leave, every
 `every_s`, for processes started since (a restarted engine actor, write tasks).
 It never touches a process outside the driver's own tree, nor one whose CPUs are
 already among the engines' (a worker that vLLM has bound but not yet reported), nor
-one already narrowed. Start-up runs on every CPU: the engines' start is what it
-waits for. An engine started later (a restarted actor, a rebuilt engine) starts
+one already narrowed. An engine apart starts on every CPU: the engines' start is
+what it waits for. An engine in its actor's process reports at its start instead,
+bound before vLLM's import and build (`GenerateStage._bind_early`): its import then
+has its cores to itself (on 2 cores beside a night's reused rows, 10-13 s instead of
+36-52 s, bench/README). An engine started later (a restarted actor, a rebuilt engine) starts
 narrowed, and widens only its starting thread (`pipeline.generation.vllm.every_cpu`),
 so that vLLM binds its new worker as before.
 

@@ -439,7 +439,11 @@ def build_dataset(ctx: RunContext, target: OutputTarget, gate: Any = None) -> tu
         index = ctx.reuse_index
         ds = ds.map_batches(keyed_look_up, fn_kwargs={"base": ctx.result_key["base"], "shards": index.shards,
                                                       "columns": index.columns, "gate": gate},
-                            batch_format="pyarrow", num_cpus=0.1)
+                            # Two at a time: light tasks (a shard's round trip), and each one
+                            # more in flight is a Ray worker process; beside a prepare stage that
+                            # no longer tokenizes the rows it finds, Ray Data ran ~20 at once, and
+                            # their idle threads took most of a core (bench/README).
+                            batch_format="pyarrow", num_cpus=0.1, concurrency=2)
     if profile.bucketing.grouping == "window":
         # Streaming: each window of prepared rows ordered by bucket, nothing waits for the corpus.
         # Then cut into blocks of an engine's batch: Ray Data hands out blocks, not

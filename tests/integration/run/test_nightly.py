@@ -10,6 +10,7 @@ corpus over three nights, night 1 being the session's shared run (tests/integrat
 """
 
 import json
+import os
 import shutil
 import sys
 import time
@@ -113,6 +114,9 @@ def test_night_2_generates_exactly_the_edited_new_and_failed_rows(nights):
     # The engine on demand: its actor imported vLLM, then was told of work, then built it.
     actor = run.report["engine"]["actors"][-1]
     assert actor["born_at"] <= actor["imported_at"] <= actor["work_found_at"] <= actor["ready_at"]
+    if len(os.sched_getaffinity(0)) > 1:  # bound before the import, and the run's others kept off its CPUs
+        cpus = run.report["engine"]["cpus"]
+        assert cpus is not None and cpus["engine"] and not set(cpus["engine"]) & set(cpus["others"]), cpus
 
 
 def test_night_2_killed_and_resumed_neither_generates_nor_looks_up_a_committed_row_again(nights):

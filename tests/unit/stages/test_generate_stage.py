@@ -331,3 +331,34 @@ def test_an_engine_on_demand_imports_vllm_while_it_waits_and_starts_once_work_is
     while lazy.engine is None and time.monotonic() < deadline:
         time.sleep(0.01)
     assert order == ["preload", "await_work", "build"] and lazy.engine is built[0]
+
+
+def test_an_engine_of_its_own_cpus_binds_its_actor_before_vllms_import_and_tells_the_pool(tiny_model, monkeypatch):
+    """With the model in the actor's process on CPUs of its own (`bind_cpus`), the actor
+    binds itself before vLLM is imported or built, and reports where, so the driver's guard
+    keeps the run's other processes off those CPUs while the engine starts."""
+    import os
+    from dataclasses import replace
+
+    from pipeline.stages import generate
+
+    _, stage = stages(tiny_model, "jobs/nightly_summarize.yaml", [], FakeEngine())
+    told = []
+
+    class Gate:
+        def engine_cpus(self, actor, workers):
+            told.append((actor, workers))
+
+    bound = []
+    monkeypatch.setattr(generate, "bind_process", lambda cpus: bound.append(cpus) or [0])
+    settings = stage.settings
+    stage.settings = replace(settings, pool_gate=Gate(),
+                             engine=replace(settings.engine, in_process=True, bind_cpus=(0, 1)))
+    stage._bind_early()
+    assert bound == [(0, 1)] and told == [(stage.actor, {os.getpid(): [0]})]
+    # Apart (its core binds its own worker), or no CPUs to bind to: nothing bound, nothing told.
+    for engine in (replace(settings.engine, in_process=False, bind_cpus=(0, 1)),
+                   replace(settings.engine, in_process=True, bind_cpus=None)):
+        stage.settings = replace(settings, pool_gate=Gate(), engine=engine)
+        stage._bind_early()
+    assert len(bound) == 1 and len(told) == 1
