@@ -39,9 +39,13 @@ It digests the run's `base` (so every input of the result key's base is in it), 
 prepare setting that shapes a prompt (`prepare_parts`: templates, the text column, the
 length policy and limits, the corpus percentile cap, the bucket boundaries, how a null
 renders), and the row's own inputs to its prompts: its text and the rendered value of
-every field the prompt and annotation templates name. The tokenizer and chat template are
-in the model's digest, so equal input keys give equal token ids, truncation, chunks and
-buckets: equal result keys. The converse need not hold (a change to a column no template
+every field the prompt and annotation templates name. Each prepare stage adds what it makes
+of the templates (their rendered skeletons: a chat template that renders the date changes
+them) and the tokenizer libraries' versions (`PrepareStage._input_base`). The tokenizer's
+files and chat template are in the model's digest, so equal input keys give equal token
+ids, truncation, chunks and buckets: equal result keys. A job with a corpus percentile
+cap (`length.outlier_percentile`) finds few rows this way: the cap is taken from each
+night's corpus, and a cap that moves changes every input key. The converse need not hold (a change to a column no template
 names leaves the prompt as it was); such a row is found by its result key after it is
 tokenized, as before.
 """

@@ -375,7 +375,13 @@ class GenerateStage:
             # needs the engine first builds it under, so that their log tees do not overlap.
             with self._starting:
                 if settings.backend == "vllm" and self.engine is None:
-                    self._bind_early()
+                    # Bound now, but the pool is told (and the run's other processes moved
+                    # off these CPUs) only once there is work: a night whose every row is
+                    # reused builds no engine, and keeps every CPU for its reading and writes.
+                    cpus = self._bind_early(report=False)
+                    if cpus:
+                        threading.Thread(target=self._report_on_work, args=(cpus,), name="cpus-on-work",
+                                         daemon=True).start()
                     preload(self._warn_once())
             self.imported_at = round(time.time(), 3)
             settings.pool_gate.await_work()
@@ -386,7 +392,14 @@ class GenerateStage:
         except BaseException as e:  # the next batch to need the engine raises it
             self._start_error = e
 
-    def _bind_early(self) -> None:
+    def _report_on_work(self, cpus: list[int]) -> None:
+        try:
+            self.settings.pool_gate.await_work()
+            self.settings.pool_gate.engine_cpus(self.actor, {os.getpid(): cpus})
+        except Exception:  # the pool gone with the run: nothing left to keep apart
+            pass
+
+    def _bind_early(self, report: bool = True) -> list[int]:
         """An engine whose model will run in this process on CPUs of its own
         (`VLLMSettings.bind_cpus`) binds the process to them now, before vLLM's import and
         build, and tells the pool: the driver's guard (`pipeline.run.affinity`) then keeps
@@ -395,11 +408,14 @@ class GenerateStage:
         beside the reused rows' reading, lookups and writes on 2 cores (bench/README)."""
         engine = self.settings.engine
         if self.settings.backend != "vllm" or not (engine.in_process and engine.bind_cpus):
-            return
+            return []
         cpus = bind_process(engine.bind_cpus)
         gate = self.settings.pool_gate
-        if cpus and gate is not None and hasattr(gate, "engine_cpus"):
+        if not (cpus and gate is not None and hasattr(gate, "engine_cpus")):
+            return []
+        if report:
             gate.engine_cpus(self.actor, {os.getpid(): cpus})
+        return cpus
 
     def _build_engine(self, settings: GenerateSettings, warn_once: Any) -> Engine:
         if settings.backend == "transformers" and settings.hf is not None:

@@ -312,6 +312,24 @@ class PrepareStage:
             self.tokenizer, annotation.template, annotation.system, settings.null_as
         )
         self.max_annotation_prompt = settings.max_model_len - settings.annotation_max_new_tokens
+        self.input_base = self._input_base()
+
+    def _input_base(self) -> str | None:
+        """The run's input-key base with what this stage makes of a template: the rendered
+        skeletons (a chat template that renders the date changes them) and the tokenizer
+        libraries' versions. The settings alone do not pin the prompts' token ids, which
+        the result key digests but a row found by its input key never has."""
+        base = self.settings.input_key_base
+        if base is None:
+            return None
+        import hashlib
+
+        import tokenizers
+        import transformers
+
+        made = [base, transformers.__version__, tokenizers.__version__,
+                *(repr((r.skeleton, r.prefix, r.suffix)) for r in (self.renderer, self.annotator) if r is not None)]
+        return hashlib.blake2b("\0".join(made).encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
 
     def encode(self, prompts: list[RenderedPrompt]) -> list[list[int]]:
         """Token ids of rendered prompts: their text pieces in one tokenizer call (the fast
@@ -431,7 +449,7 @@ class PrepareStage:
         """1b. Each valid row's input key; with the reuse index, the earlier rows found by
         them (`_reused_from`, `_reused.<column>`, aligned with the batch; None where none
         was found), and each found row takes what prepare made of it then."""
-        base = self.settings.input_key_base
+        base = self.input_base
         if base is None:
             return None
         fields = [r.fields for r in (self.renderer, self.annotator) if r is not None]

@@ -176,6 +176,7 @@ def test_a_night_whose_every_row_is_reused_starts_no_engine(nights, ray_tmp):
     assert report["reuse"]["lookup"]["rows_found_before_tokenizing"] == rows  # none tokenized
     assert report["reuse"]["sources"][0]["date"] == "2026-11-02"
     assert report["engine"]["actors"] == [] and report["engine_s"] == 0
+    assert report["engine"]["cpus"] is None  # no engine: the run's processes kept every CPU
     written = pq.read_table(output)
     assert written.num_rows == rows and set(written.column("status").to_pylist()) == {"ok"}
 

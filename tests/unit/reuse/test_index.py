@@ -118,24 +118,27 @@ def test_the_lookup_after_prepare_keys_and_asks_only_the_rows_prepare_did_not_fi
     base = "base"
     from pipeline.generation.result_key import result_key
 
-    ids = [[1, 2], [3, 4], [5, 6], [7, 8]]
-    shard = KeyShard()
-    shard.add(source([result_key(base, ids[2])], ["by result key"], "n1"), 0)
-    # Rows 0 and 1 found before tokenizing (prepare's columns); 2 and 3 not.
-    batch = pa.table({"id": list("abcd"), "status": ["ok"] * 4,
-                      schema.PROMPT_TOKEN_IDS: pa.array([[], [], ids[2], ids[3]], pa.list_(pa.int32())),
-                      schema.CHUNK_TEXTS: pa.nulls(4, pa.list_(pa.string())),
-                      REUSED_FROM: ["n0", "n0", None, None],
-                      REUSED_PREFIX + "summary": ["by input 0", "by input 1", None, None],
-                      REUSED_PREFIX + "output_tokens": pa.array([4, 4, None, None], pa.int32()),
-                      REUSED_PREFIX + "prompt_tokens": pa.array([9, 9, None, None], pa.int32()),
-                      REUSED_PREFIX + "result_key": ["v1:a", "v1:b", None, None]})
-    out = keyed_look_up(batch, base, [Local(shard)], ["summary", "output_tokens"]).to_pydict()
-    assert out["id"] == list("abcd")  # in the batch's order
-    assert out[REUSED_FROM] == ["n0", "n0", "n1", None]
-    assert out[REUSED_PREFIX + "summary"] == ["by input 0", "by input 1", "by result key", None]
-    assert out["result_key"] == ["v1:a", "v1:b", result_key(base, ids[2]), result_key(base, ids[3])]
-    assert shard.asked() == 2  # only the rows prepare did not find
+    ids = [[3, 4], [1, 2], [5, 6], [7, 8], [9, 9]]
+    shards = [KeyShard(), KeyShard()]
+    for i in (2, 4):  # found by their result keys, in whichever shard each key falls in
+        key = result_key(base, ids[i])
+        shards[by_shard([key], 2).popitem()[0]].add(source([key], [f"by result key {i}"], "n1"), 0)
+    # Rows 1 and 3 found before tokenizing (prepare's columns); 0, 2 and 4 not.
+    batch = pa.table({"id": list("abcde"), "status": ["ok"] * 5,
+                      schema.PROMPT_TOKEN_IDS: pa.array([ids[0], [], ids[2], [], ids[4]], pa.list_(pa.int32())),
+                      schema.CHUNK_TEXTS: pa.nulls(5, pa.list_(pa.string())),
+                      REUSED_FROM: [None, "n0", None, "n0", None],
+                      REUSED_PREFIX + "summary": [None, "by input 1", None, "by input 3", None],
+                      REUSED_PREFIX + "output_tokens": pa.array([None, 4, None, 4, None], pa.int32()),
+                      REUSED_PREFIX + "prompt_tokens": pa.array([None, 9, None, 9, None], pa.int32()),
+                      REUSED_PREFIX + "result_key": [None, "v1:b", None, "v1:d", None]})
+    out = keyed_look_up(batch, base, [Local(s) for s in shards], ["summary", "output_tokens"]).to_pydict()
+    assert out["id"] == list("abcde")  # in the batch's order
+    assert out[REUSED_FROM] == [None, "n0", "n1", "n0", "n1"]
+    assert out[REUSED_PREFIX + "summary"] == [None, "by input 1", "by result key 2", "by input 3", "by result key 4"]
+    assert out["result_key"] == [result_key(base, ids[0]), "v1:b", result_key(base, ids[2]), "v1:d",
+                                 result_key(base, ids[4])]
+    assert sum(s.asked() for s in shards) == 3  # only the rows prepare did not find
 
 
 def test_input_keys_found_nowhere_give_no_table(monkeypatch):

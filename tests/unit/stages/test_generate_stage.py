@@ -354,8 +354,11 @@ def test_an_engine_of_its_own_cpus_binds_its_actor_before_vllms_import_and_tells
     settings = stage.settings
     stage.settings = replace(settings, pool_gate=Gate(),
                              engine=replace(settings.engine, in_process=True, bind_cpus=(0, 1)))
-    stage._bind_early()
+    assert stage._bind_early() == [0]
     assert bound == [(0, 1)] and told == [(stage.actor, {os.getpid(): [0]})]
+    # An engine on demand binds before its import but tells the pool only once there is work.
+    assert stage._bind_early(report=False) == [0] and len(told) == 1
+    bound.pop()
     # Apart (its core binds its own worker), or no CPUs to bind to: nothing bound, nothing told.
     for engine in (replace(settings.engine, in_process=False, bind_cpus=(0, 1)),
                    replace(settings.engine, in_process=True, bind_cpus=None)):

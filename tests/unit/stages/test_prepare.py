@@ -243,3 +243,22 @@ def test_rows_found_by_their_input_key_are_not_tokenized_again(tiny_model, monke
         assert out[c][:2] == night1.column(c).to_pylist()[:2], c
     assert out["status"] == ["ok", "ok", "error", "ok"]
     assert out["prompt_tokens"][3] == len(out[schema.PROMPT_TOKEN_IDS][3]) > 0
+
+
+def test_the_input_key_follows_the_tokenizer_libraries_and_the_rendered_template(tiny_model, monkeypatch):
+    """The settings do not pin a prompt's token ids: the tokenizer libraries and what the
+    chat template renders (a date, say) are in each stage's input-key base too."""
+    from dataclasses import replace
+
+    import transformers
+
+    settings = replace(make_stage(tiny_model).settings, input_key_base="a run's base")
+    batch = pa.table({"id": ["a"], "source": ["email"], "text": ["Short note."]})
+    first = PrepareStage(settings)
+    again = PrepareStage(settings)
+    assert first.input_base == again.input_base != settings.input_key_base
+    assert first(batch).column("input_key").to_pylist() == again(batch).column("input_key").to_pylist()
+    monkeypatch.setattr(transformers, "__version__", "0.0.0-other")
+    assert PrepareStage(settings)(batch).column("input_key").to_pylist() != first(batch).column("input_key").to_pylist()
+    other = PrepareStage(replace(settings, prompt=replace(settings.prompt, system="Another system message.")))
+    assert other.input_base != first.input_base
