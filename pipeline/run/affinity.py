@@ -22,9 +22,10 @@ own Ray instance, every thread of each, to the CPUs the workers leave, every
 It never touches a process outside the driver's own tree, nor one whose CPUs are
 already among the engines' (a worker that vLLM has bound but not yet reported), nor
 one already narrowed. An engine apart starts on every CPU: the engines' start is
-what it waits for. An engine in its actor's process reports at its start instead,
-bound before vLLM's import and build (`GenerateStage._bind_early`): its import then
-has its cores to itself (on 2 cores beside a night's reused rows, 10-13 s instead of
+what it waits for. An engine in its actor's process is bound before vLLM's import and
+build (`GenerateStage._bind_early`) and reports then, or, started on demand, once the
+reuse lookup has found work (a night with none builds no engine and keeps every CPU):
+its import then has its cores to itself (on 2 cores beside a night's reused rows, 10-13 s instead of
 36-52 s, bench/README). An engine started later (a restarted actor, a rebuilt engine) starts
 narrowed, and widens only its starting thread (`pipeline.generation.vllm.every_cpu`),
 so that vLLM binds its new worker as before.
