@@ -271,12 +271,11 @@ def keyed_look_up(batch: pa.Table, base: str, shards: list[Any], columns: list[s
         rest = look_up(rest.append_column("result_key", batch_keys(rest, base)), shards, columns)
         done = done.select([c for c in rest.column_names if c in done.column_names])
         out = pa.concat_tables([done, rest], promote_options="permissive")
-        # Back in the batch's order: the found rows first in `out`, then the rest.
-        order = pc.indices_nonzero(found).to_pylist() + pc.indices_nonzero(pc.invert(found)).to_pylist()
-        position = [0] * len(order)
-        for at, i in enumerate(order):
-            position[i] = at
-        out = out.take(pa.array(position, pa.int64()))
+        # Back in the batch's order: `out` holds the found rows first, then the rest; where
+        # each row went is the inverse of that order.
+        order = pa.concat_arrays([pc.indices_nonzero(found.combine_chunks()),
+                                  pc.indices_nonzero(pc.invert(found).combine_chunks())])
+        out = out.take(pc.sort_indices(order))
     if gate is not None and rows_to_generate(out):
         gate.work_found()
     return out

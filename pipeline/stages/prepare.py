@@ -469,7 +469,9 @@ class PrepareStage:
         earlier = found.select(prepared).to_pylist()
         for i, source in enumerate(found.column(REUSED_FROM).to_pylist()):
             if source is not None:
-                work[i].earlier = {c[len(REUSED_PREFIX):]: v for c, v in earlier[i].items()}
+                w = work[i]
+                w.earlier = e = {c[len(REUSED_PREFIX):]: v for c, v in earlier[i].items()}
+                w.prompt_tokens, w.truncated, w.original_tokens = e["prompt_tokens"], e["truncated"], e["original_tokens"]
         return found
 
     def _hold(self, rows: int) -> None:
@@ -531,10 +533,6 @@ class PrepareStage:
     def _columns(self, work: list[_Row]) -> dict[str, pa.Array]:
         """5. The columns this stage adds, bucket included; a row never tokenized has no
         bucket (index 0 only orders it)."""
-        for w in work:  # a row found by its input key: as prepare made it before
-            if w.earlier is not None:
-                e = w.earlier
-                w.prompt_tokens, w.truncated, w.original_tokens = e["prompt_tokens"], e["truncated"], e["original_tokens"]
         index = [self.bucketer.names.index(w.earlier["bucket"]) if w.earlier is not None
                  else self.bucketer.index(w.bucket_tokens) for w in work]
         columns: dict[str, pa.Array] = {
