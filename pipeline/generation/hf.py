@@ -15,8 +15,12 @@ call's rows at a time, so a batch never mixes buckets.
 
 Memory, as one pressure in 0..1 (`kv_gauges`, which the feeder's probe reads after
 each step): the batch's peak over the memory this engine may use.
-- CUDA: `torch.cuda.max_memory_allocated` over the batch (reset before it), against
-  the device's memory times `memory_fraction`, or `memory_budget_gib`.
+- CUDA: `torch.cuda.max_memory_reserved` over the batch, against the device's memory
+  times `memory_fraction`, or `memory_budget_gib`. Before each batch the allocator's
+  cache is emptied and its peaks reset, so the peak is this batch's own. Reserved, not
+  allocated: the cap (and a full device) refuses the allocator's blocks, which its
+  fragmentation makes larger than the tensors in them. On an H200 the allocated peak
+  read 0.76-0.83 of the cap at the batch before an out-of-memory (bench/results/gpu/).
 - CPU: PyTorch has no peak figure per batch on CPU, and an out-of-memory there can't
   be caught (the kernel kills the process). So the memory is estimated: the weights,
   plus a cost per batch token (rows x (padded prompt + new tokens)) calibrated on the
@@ -141,6 +145,7 @@ class TransformersEngine:
         self._queue: dict[str, tuple[list[int], Sampling]] = {}
         self._ids = itertools.count()
         self._pressure = 0.0
+        self.allocated_peak: int | None = None  # CUDA: the last batch's peak of allocated tensors
         self._calibrations: list[float] = []
 
     # --- memory -----------------------------------------------------------------------
@@ -241,8 +246,11 @@ class TransformersEngine:
                 self.device_api.empty_cache()  # what the failed batch held, back for the retry
             raise
         self.padding.add(rows * longest, sum(len(ids) for _, ids, _ in group))
-        self.peaks.append({"rows": rows, "padded_len": longest, "new_tokens": new, "pressure": round(self._pressure, 4),
-                           "s": round(time.monotonic() - started, 4)})
+        peak = {"rows": rows, "padded_len": longest, "new_tokens": new, "pressure": round(self._pressure, 4),
+                "s": round(time.monotonic() - started, 4)}
+        if self.allocated_peak is not None:  # CUDA: what the tensors took, beside what the allocator held
+            peak["allocated"] = round(self.allocated_peak / self.budget_bytes, 4)
+        self.peaks.append(peak)
         start = 1 if self.encoder_decoder else longest  # a decoder's output repeats its prompt
         finished = []
         for k, (rid, _, sampling) in enumerate(group):
@@ -260,6 +268,7 @@ class TransformersEngine:
         def __enter__(self) -> None:
             e = self.engine
             if e.cuda:
+                e.device_api.empty_cache()  # the last batch's cached blocks: not this batch's
                 e.device_api.reset_peak_memory_stats(e.device)
             else:
                 self.rss = _PeakRSS().__enter__()
@@ -267,7 +276,8 @@ class TransformersEngine:
         def __exit__(self, kind: Any, *exc: Any) -> None:
             e = self.engine
             if e.cuda:
-                peak = e.device_api.max_memory_allocated(e.device)
+                peak = e.device_api.max_memory_reserved(e.device)
+                e.allocated_peak = e.device_api.max_memory_allocated(e.device)
                 if kind is None:
                     e._learn_token_cost(peak - e.weights_bytes, self.tokens)
                 e._pressure = peak / e.budget_bytes

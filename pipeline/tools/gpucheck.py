@@ -13,7 +13,8 @@ nothing of Ray, vLLM, pydantic, psutil or matplotlib. It:
    raises a real CUDA out-of-memory, as a full device would;
 3. runs a synthetic heavy-tailed corpus, bucket by bucket, through the feeder and the
    batch controller (target 0.90 of the cap): each bucket's batch grows until its peak
-   allocated memory is within [0.85, 0.95] of the cap;
+   reserved memory (the allocator's blocks, which the cap counts) is within
+   [0.85, 0.95] of the cap;
 4. if no out-of-memory happened on the way, starts one more pass at 1.5x the memory's
    capacity (a target above 1.0): a real CUDA out-of-memory, caught, backed off, the
    same rows retried;
@@ -232,13 +233,16 @@ def plot(result: dict[str, Any], png: str) -> None:
             xs = list(range(x0, x0 + len(v["batches"])))
             label = f"{bucket}" + (" (overshoot)" if p["name"] == "overshoot" else "")
             top.plot(xs, [b["rows"] for b in v["batches"]], marker="o", label=label)
-            bottom.plot(xs, [b["pressure"] if not b.get("oom") else 1.0 for b in v["batches"]], marker="o")
+            line, = bottom.plot(xs, [b["pressure"] if not b.get("oom") else 1.0 for b in v["batches"]], marker="o")
+            allocated = [(x, b["allocated"]) for x, b in zip(xs, v["batches"]) if "allocated" in b]
+            if allocated:  # the tensors' own peak, under the allocator's
+                bottom.plot(*zip(*allocated), ls=":", color=line.get_color())
             for x, b in zip(xs, v["batches"]):
                 if b.get("oom"):
                     bottom.annotate("OOM", (x, 1.0), color="red", ha="center", va="bottom")
             x0 += len(xs) + 1
     bottom.axhspan(*BAND, color="green", alpha=0.15, label="target band")
-    bottom.set_ylabel("peak allocated / cap")
+    bottom.set_ylabel("peak reserved / cap\n(dotted: allocated)")
     top.set_ylabel("rows in the batch")
     bottom.set_xlabel("batch, bucket by bucket")
     top.legend(fontsize=7, ncol=4)

@@ -62,6 +62,43 @@ def test_the_cpu_budget_is_estimated_from_a_calibrated_cost_per_token(tiny_model
     assert engine.kv_gauges()[0] >= expected * 0.999 and engine.kv_gauges()[0] > small
 
 
+class AllocatorStats:
+    """torch.cuda's memory statistics as a caching allocator keeps them: tensors take
+    `allocated`, the allocator's blocks `reserved` (more, by fragmentation); blocks stay
+    cached until `empty_cache`."""
+
+    def __init__(self, weights: int):
+        self.calls: list[str] = []
+        self.weights, self.cached = weights, 0
+
+    def empty_cache(self):
+        self.calls.append("empty_cache")
+        self.cached = 0
+
+    def reset_peak_memory_stats(self, device):
+        self.calls.append("reset")
+
+    def max_memory_allocated(self, device):
+        return self.weights + 300 * 2**20
+
+    def max_memory_reserved(self, device):
+        self.cached = max(self.cached, 500 * 2**20)
+        return self.weights + self.cached
+
+
+def test_on_cuda_the_pressure_is_the_batch_s_reserved_peak_not_its_tensors(tiny_model):
+    """The cap, like a full device, refuses the allocator's blocks: the pressure is their
+    peak, from an emptied cache, and the tensors' own peak is kept beside it."""
+    engine = engine_for(tiny_model)
+    engine.cuda, engine.device_api = True, AllocatorStats(engine.weights_bytes)
+    run(engine, [list(range(10, 110))] * 4)
+    assert engine.device_api.calls[:2] == ["empty_cache", "reset"]  # the last batch's blocks don't count
+    budget = engine.budget_bytes
+    assert engine.kv_gauges()[0] == pytest.approx((engine.weights_bytes + 500 * 2**20) / budget)
+    assert engine.peaks[-1]["allocated"] == round((engine.weights_bytes + 300 * 2**20) / budget, 4)
+    assert engine.token_bytes == 500 * 2**20 / (4 * (100 + 12))  # learned from what was reserved
+
+
 def test_too_long_and_structured_requests_are_refused(tiny_bart):
     engine = engine_for(tiny_bart)
     with pytest.raises(ValueError, match="longer than the model's context"):
@@ -103,6 +140,18 @@ def test_batches_grow_to_the_budget_back_off_on_oom_and_the_learned_limit_is_reu
     assert steps[0]["reason"] == "learned" and steps[0]["budget"] == learned["le256"]
     assert any(b["reason"] == "oom" for b in warm.trajectory("le256")["backoffs"])
     assert sum(p.get("oom", False) for p in small.peaks) >= 1
+
+
+def test_fed_in_drain_mode_each_padded_batch_is_one_window_of_the_policy():
+    """A padded batch admits fewer rows than the budget's mean row: were a window the
+    budget's rows, it would span two batches and the policy would learn at half speed."""
+    device = FakeDevice()
+    rows = [(i, list(range(10, 10 + 100 + (0 if i % 2 else 150)))) for i in range(3000)]  # 100 and 250 tokens
+    controller = BatchSizeController(ControllerSettings(target=0.9, max_rows=device.max_num_seqs),
+                                     kv_capacity_tokens=lambda: device.kv_cache_tokens)
+    EngineFeeder(device, controller, feed="drain", stock_engine_queue=False).serve("le256", rows, Sampling(16))
+    observed = controller.trajectory("le256")["steps"][1:]  # after the start, one per window
+    assert len(device.peaks) >= 5 and len(observed) == len(device.peaks)
 
 
 def test_the_gpu_check_passes_on_a_device_that_behaves_and_says_so_in_one_result():
