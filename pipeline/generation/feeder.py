@@ -619,9 +619,12 @@ class _Call:
         self.peak_kv = max(self.peak_kv, kv_cache)
 
     def close_window_if_done(self) -> None:
-        """A window closes once it has completed the rows it admitted."""
+        """A window closes once it has completed the rows it admitted; fed in drain mode,
+        with its batch: a padded batch admits fewer rows than the budget's mean row, and a
+        window of two batches halved how fast the policy learned (an H200's GPU check)."""
         w = self.window
-        if w is None or not (w.done >= w.rows_target or not (self.queue or self.in_flight)):
+        batch_done = self.feeder.feed == "drain" and not self.in_flight
+        if w is None or not (w.done >= w.rows_target or batch_done or not (self.queue or self.in_flight)):
             return
         self.feeder.close_window(self.bucket, w, w.cost / max(w.done, 1))
         # With rows still running, the next window opens now; else with its next row in.
