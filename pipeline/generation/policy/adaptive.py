@@ -20,9 +20,14 @@ admits is `budget // tokens_per_row`, and never less than one.
    improves (by more than `plateau_gain` per doubling over the mean at the
    last smaller budget), it doubles the budget; when doubling stops paying it
    holds (a plateau: the engine is compute-bound, and more rows would only
-   add latency). Near the target (2p > target) it creeps up additively, by
-   `creep_fraction` of the budget at which creeping began: memory, not one
-   window's noisy throughput, decides the last steps.
+   add latency). Near the target (2p > target) it creeps up additively: half
+   the way to the budget at which the target would be reached were pressure in
+   proportion to the budget (B x target / p), and at least `creep_fraction` of
+   the budget at which creeping began. Memory, not one window's noisy
+   throughput, decides the last steps. Pressure with a fixed part (the weights,
+   for an engine that allocates as it goes) grows slower than in proportion, so
+   the half-way step never aims past the target; from 0.6 it takes 4 windows to
+   the band, not 7 (a GPU check on an H200 ran out of rows on the way).
 3. **Hold.** At or above the target it holds; well above it (p > target +
    `overshoot`) it shrinks in proportion, to budget x target / p.
 4. **Back off.** An out-of-memory error halves the budget (the rows in flight
@@ -245,7 +250,8 @@ class BatchSizeController:
             else:
                 # Near the target: creep up additively.
                 s.creep_step = s.creep_step or max(int(s.budget * cfg.creep_fraction), int(s.tokens_per_row))
-                s.budget = self._cap(s, s.budget + s.creep_step)
+                half_way = int(s.budget * (cfg.target / obs.pressure - 1) / 2)
+                s.budget = self._cap(s, s.budget + max(s.creep_step, half_way))
                 action = "creep"
         if not obs.drained:
             total, count = s.throughput.get(before, (0.0, 0))

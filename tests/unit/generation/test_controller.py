@@ -119,9 +119,25 @@ def test_plateau_holds_instead_of_growing():
 def test_near_the_target_it_creeps_rather_than_doubles():
     ctrl = BatchSizeController(initial_budget_tokens=60_000)
     ctrl.rows_for("le128", 100)
-    ctrl.observe("le128", Observation(pressure=0.6, throughput=1000, rows=600))
-    assert ctrl.budget("le128", 100) == 66_000
+    ctrl.observe("le128", Observation(pressure=0.85, throughput=1000, rows=600))
+    assert ctrl.budget("le128", 100) == 66_000  # creep_fraction of 60k: more than half the way
     assert ctrl.buckets["le128"].steps[-1].action == "creep"
+
+
+def test_further_from_the_target_it_creeps_half_the_way_and_never_aims_past_it():
+    ctrl = BatchSizeController(initial_budget_tokens=60_000)
+    ctrl.rows_for("le128", 100)
+    ctrl.observe("le128", Observation(pressure=0.6, throughput=1000, rows=600))
+    assert ctrl.budget("le128", 100) == 75_000  # half of 60k x (0.9 / 0.6 - 1) more
+    # Pressure with a fixed part (weights 0.2 of memory): from 0.6 the band in 4 windows,
+    # none past the target (creeping by 10% of 60k took 7).
+    budgets, pressure = [], 0.6
+    for _ in range(4):
+        budgets.append(ctrl.budget("le128", 100))
+        pressure = 0.2 + 0.4 * budgets[-1] / 60_000
+        ctrl.observe("le128", Observation(pressure=pressure, throughput=1000, rows=600))
+    assert 0.85 <= pressure <= 0.9
+    assert [s.action for s in ctrl.buckets["le128"].steps[1:]] == ["creep"] * 5
 
 
 @pytest.mark.parametrize("target", [0.49, 0.99])
