@@ -8,6 +8,7 @@ config key that moves changes here and in the config models, nowhere else.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -121,10 +122,70 @@ def engine_in_process(profile: ProfileConfig) -> bool:
     return engine.in_process if engine.in_process is not None else profile.hardware.accelerator == "cpu"
 
 
-def vllm_settings(model: str, engine: EngineConfig, seed: int | None) -> VLLMSettings:
-    return VLLMSettings(engine_kwargs(model, engine, seed), startup_backoff=engine.restart.startup_backoff,
+def vllm_settings(model: str, engine: EngineConfig, seed: int | None, cpu_context: int | None = None) -> VLLMSettings:
+    """`cpu_context`: on the CPU backend, the context the engine runs with; its KV cache is
+    then no larger than it can ever fill (`cpu_kv_cache_bytes`)."""
+    kwargs = engine_kwargs(model, engine, seed)
+    if cpu_context is not None and (size := cpu_kv_cache_bytes(model, engine, cpu_context)) is not None:
+        kwargs["kv_cache_memory_bytes"] = size
+    return VLLMSettings(kwargs, startup_backoff=engine.restart.startup_backoff,
                         min_gpu_memory_utilization=engine.restart.min_gpu_memory_utilization,
                         cpu_kvcache_space_gib=engine.cpu_kvcache_space_gib)
+
+
+# vLLM's own default for `LLM` on the CPU backend (`EngineArgs`, one worker).
+VLLM_CPU_MAX_NUM_SEQS = 256
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4}
+
+
+def kv_bytes_per_token(model: str, dtype: str) -> int | None:
+    """A decoder's KV cache per token, from its config.json: keys and values of every
+    layer (layers x 2 x KV heads x head size x the dtype's bytes). None where the
+    folder's config does not say (a GGUF file, an unknown dtype)."""
+    path = Path(model) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+        config = config.get("text_config", config)
+        heads = int(config["num_attention_heads"])
+        kv_heads = int(config.get("num_key_value_heads") or heads)
+        head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+        layers = int(config["num_hidden_layers"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if dtype == "auto":
+        dtype = str(config.get("dtype") or config.get("torch_dtype") or "")
+    size = DTYPE_BYTES.get(dtype)
+    return layers * 2 * kv_heads * head_dim * size if size else None
+
+
+def cpu_kv_cache_bytes(model: str, engine: EngineConfig, context: int) -> int | None:
+    """The KV cache an engine on the CPU backend could ever fill: `max_num_seqs` sequences
+    at the whole context each. vLLM's CPU backend otherwise takes `gpu_memory_utilization`
+    of the node's memory and writes every byte of it at start-up: for the tiny model 4 GiB
+    (8.3M tokens, where 256 x 16,384 is 4.2M), 6.5 s of a 9.3 s build on this project's
+    2-core machines; at its 2 GiB the build took 3.2 s (bench/README). None, and vLLM's
+    own sizing, where the profile sizes the cache itself, the model's config does not
+    give its size per token, or the share is smaller anyway."""
+    if (engine.cpu_kvcache_space_gib is not None or engine.num_gpu_blocks_override is not None
+            or "kv_cache_memory_bytes" in engine.extra):
+        return None
+    per_token = kv_bytes_per_token(model, engine.dtype)
+    if per_token is None:
+        return None
+    size = (engine.max_num_seqs or VLLM_CPU_MAX_NUM_SEQS) * context * per_token
+    return size if size < engine.gpu_memory_utilization * node_memory_bytes() else None
+
+
+def node_memory_bytes() -> int:
+    """NUMA node 0's memory, which the CPU backend's `gpu_memory_utilization` is a share of
+    (the machine's where there are no nodes to read)."""
+    try:
+        for line in Path("/sys/devices/system/node/node0/meminfo").read_text().splitlines():
+            if "MemTotal:" in line:
+                return int(line.split()[-2]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def hf_settings(model: str, engine: EngineConfig, seed: int | None) -> HFSettings:
@@ -197,7 +258,8 @@ def generate_settings(config: RunConfig, prepare: PrepareSettings, run_id: str,
     return GenerateSettings(
         run_id=run_id,
         model_name=profile.model.name,
-        engine=replace(vllm_settings(prepare.model_path, profile.engine, job.sampling.seed),
+        engine=replace(vllm_settings(prepare.model_path, profile.engine, job.sampling.seed,
+                                     prepare.max_model_len if profile.hardware.accelerator == "cpu" else None),
                        step_timeline=profile.debug.step_timeline, in_process=engine_in_process(profile),
                        bind_cpus=engine_cpus(profile)),
         backend=profile.engine.backend,

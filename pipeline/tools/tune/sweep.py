@@ -199,10 +199,14 @@ def collect_sample(prepare: PrepareSettings, inputs: Any, per_bucket: int, bucke
 
 def tuning_engine(config: RunConfig, model_path: str) -> VLLMEngine:
     from pipeline.run.plan import vllm_settings
+    from pipeline.stages.prepare import context_limit
 
     engine = config.profile.engine
     extra = {"enable_prefix_caching": False, **engine.extra}
-    return VLLMEngine(vllm_settings(model_path, engine.model_copy(update={"extra": extra}), config.job.sampling.seed))
+    # The KV cache sized as the run sizes it (on a CPU, no larger than it can fill).
+    context = context_limit(model_path, engine.max_model_len) if config.profile.hardware.accelerator == "cpu" else None
+    return VLLMEngine(vllm_settings(model_path, engine.model_copy(update={"extra": extra}), config.job.sampling.seed,
+                                    context))
 
 
 @dataclass

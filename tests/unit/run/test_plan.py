@@ -109,3 +109,58 @@ def test_a_fit_applied_to_a_config_changes_only_its_window_and_tokenizing_batch(
     assert applied.profile.bucketing.window_rows == 524 and applied.profile.batching.prepare_batch_rows == 500
     assert applied.profile.engine == config.profile.engine and applied.job == config.job
     assert config.profile.bucketing.window_rows == 4096  # the loaded config itself is left as it was
+
+
+def write_config(folder, **fields):
+    import json
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({"num_attention_heads": 2, "num_hidden_layers": 2,
+                                                    "hidden_size": 128, "dtype": "bfloat16", **fields}))
+    return str(folder)
+
+
+def test_a_decoders_kv_cache_per_token_comes_from_its_config(tmp_path):
+    from pipeline.run.plan import kv_bytes_per_token
+
+    tiny = write_config(tmp_path / "tiny", num_key_value_heads=1, head_dim=64)
+    assert kv_bytes_per_token(tiny, "bfloat16") == 2 * 2 * 1 * 64 * 2 == kv_bytes_per_token(tiny, "auto")
+    assert kv_bytes_per_token(tiny, "float32") == 1024
+    # No KV heads: as many as attention heads; no head size: the hidden size over them.
+    assert kv_bytes_per_token(write_config(tmp_path / "mha"), "bfloat16") == 2 * 2 * 2 * 64 * 2
+    assert kv_bytes_per_token(str(tmp_path / "none"), "bfloat16") is None  # a GGUF file, a missing folder
+    assert kv_bytes_per_token(tiny, "int4") is None
+
+
+def test_on_a_cpu_the_kv_cache_is_no_larger_than_the_engine_can_fill(tmp_path, monkeypatch):
+    """vLLM's CPU backend would take its share of the node's memory and write all of it at
+    start-up; a run asks for max_num_seqs sequences at the whole context, where that is less."""
+    from pipeline.config import EngineConfig
+    from pipeline.run import plan
+
+    monkeypatch.setattr(plan, "node_memory_bytes", lambda: 24 * 2**30)
+    tiny = write_config(tmp_path / "tiny", num_key_value_heads=1, head_dim=64)  # 512 bytes a token
+    engine = EngineConfig(gpu_memory_utilization=0.2, dtype="bfloat16")
+    assert plan.cpu_kv_cache_bytes(tiny, engine, 16384) == 256 * 16384 * 512  # 2 GiB, under 0.2 x 24
+    settings = plan.vllm_settings(tiny, engine, 0, cpu_context=16384)
+    assert settings.kwargs["kv_cache_memory_bytes"] == 2 * 2**30
+    assert "kv_cache_memory_bytes" not in plan.vllm_settings(tiny, engine, 0).kwargs  # not on a GPU
+    assert plan.cpu_kv_cache_bytes(tiny, engine.model_copy(update={"max_num_seqs": 64}), 4096) == 64 * 4096 * 512
+    # The share is less anyway, or the profile sizes the cache itself: vLLM's own sizing.
+    assert plan.cpu_kv_cache_bytes(tiny, engine, 65536) is None  # 8 GiB > 4.8 GiB
+    for sized in ({"cpu_kvcache_space_gib": 1}, {"num_gpu_blocks_override": 100},
+                  {"extra": {"kv_cache_memory_bytes": 2**30}}):
+        assert plan.cpu_kv_cache_bytes(tiny, engine.model_copy(update=sized), 16384) is None, sized
+
+
+def test_a_cpu_runs_engine_gets_the_sized_kv_cache_and_a_gpu_runs_does_not(tiny_model):
+    from pipeline.run.plan import generate_settings, prepare_settings
+
+    for profile, sized in ((LOCAL, True), (GPU, False)):
+        config = load_run_config(JOB, profile, [f"model.name={tiny_model}", "engine.max_model_len=4096",
+                                                "engine.dtype=bfloat16", "engine.gpu_memory_utilization=0.2"])
+        prepare = prepare_settings(config, str(tiny_model), 4096)
+        kwargs = generate_settings(config, prepare, "run").engine.kwargs
+        assert ("kv_cache_memory_bytes" in kwargs) == sized, profile
+        if sized:
+            assert kwargs["kv_cache_memory_bytes"] == 256 * 4096 * 512
