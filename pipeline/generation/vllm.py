@@ -245,7 +245,7 @@ class VLLMEngine:
                         f"{self.settings.min_gpu_memory_utilization}): {cause}"
                     ) from e
                 log.warning("engine start-up failed at gpu_memory_utilization=%s; retrying at %s", util, lower)
-                self.kwargs["gpu_memory_utilization"] = lower
+                self._ask_less(lower / util)
                 continue
             tee.stop()
             self._tee = tee  # its pump goes on forwarding the core's output, and keeps its tail
@@ -310,16 +310,27 @@ class VLLMEngine:
         """Replace a dead or out-of-memory engine with one that asks for less:
         a lower memory fraction and fewer concurrent sequences."""
         self.close()
-        before = {"gpu_memory_utilization": self.kwargs["gpu_memory_utilization"], "max_num_seqs": self.max_num_seqs}
-        self.kwargs["gpu_memory_utilization"] = max(
-            self.settings.min_gpu_memory_utilization,
-            round(self.kwargs["gpu_memory_utilization"] * self.settings.startup_backoff ** 0.5, 4),
-        )
+        before = self._asked()
+        util = self.kwargs["gpu_memory_utilization"]
+        self._ask_less(max(self.settings.min_gpu_memory_utilization,
+                           round(util * self.settings.startup_backoff ** 0.5, 4)) / util)
         self.kwargs["max_num_seqs"] = max(1, self.max_num_seqs // 2)
         self.startup_attempts = []
         self._build()
-        after = {"gpu_memory_utilization": self.kwargs["gpu_memory_utilization"], "max_num_seqs": self.max_num_seqs}
-        self.rebuilds.append({"reason": reason, "before": before, "after": after, "startup_s": round(self.startup_s, 2)})
+        self.rebuilds.append({"reason": reason, "before": before, "after": self._asked(),
+                              "startup_s": round(self.startup_s, 2)})
+
+    def _asked(self) -> dict[str, Any]:
+        """What the engine was built with that a rebuild lowers."""
+        return {"gpu_memory_utilization": self.kwargs["gpu_memory_utilization"], "max_num_seqs": self.max_num_seqs,
+                **{k: self.kwargs[k] for k in ("kv_cache_memory_bytes",) if k in self.kwargs}}
+
+    def _ask_less(self, factor: float) -> None:
+        """The memory fraction, and a KV cache sized in bytes (which wins over the fraction:
+        `pipeline.run.plan.cpu_kv_cache_bytes`), times `factor`."""
+        self.kwargs["gpu_memory_utilization"] = round(self.kwargs["gpu_memory_utilization"] * factor, 4)
+        if "kv_cache_memory_bytes" in self.kwargs:
+            self.kwargs["kv_cache_memory_bytes"] = int(self.kwargs["kv_cache_memory_bytes"] * factor)
 
     def close(self) -> None:
         """Stop the engine core process now rather than at interpreter exit."""

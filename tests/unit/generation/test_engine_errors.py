@@ -171,3 +171,28 @@ def test_a_step_decodes_its_finished_requests_ids_less_the_token_that_stopped_th
     assert done["eos"].text == done["stop id"].text == " the fox"
     assert done["length"].text == " the fox."
     assert [done[k].output_tokens for k in ("eos", "stop id", "length")] == [len(words) + 1] * 3
+
+
+def test_a_rebuild_asks_for_a_smaller_kv_cache_where_it_was_sized_in_bytes():
+    """On a CPU the run sizes the KV cache in bytes (`kv_cache_memory_bytes`), which wins
+    over the memory fraction: a rebuild after an out-of-memory lowers both, by one factor."""
+    from pipeline.generation.vllm import VLLMSettings
+
+    engine = object.__new__(VLLMEngine)
+    engine.settings = VLLMSettings({}, startup_backoff=0.64, min_gpu_memory_utilization=0.05)
+    engine.kwargs = {"gpu_memory_utilization": 0.2, "kv_cache_memory_bytes": 2**31}
+    engine.max_num_seqs, engine.rebuilds, engine.startup_s = 256, [], 1.0
+    engine.close = lambda: None
+
+    def build():
+        engine.max_num_seqs = engine.kwargs["max_num_seqs"]
+
+    engine._build = build
+    engine.rebuild("engine_oom_death")
+    (r,) = engine.rebuilds
+    assert r["before"] == {"gpu_memory_utilization": 0.2, "max_num_seqs": 256, "kv_cache_memory_bytes": 2**31}
+    assert r["after"] == {"gpu_memory_utilization": 0.16, "max_num_seqs": 128,
+                          "kv_cache_memory_bytes": int(2**31 * 0.8)}
+    del engine.kwargs["kv_cache_memory_bytes"]  # sized by the fraction alone: as before
+    engine.rebuild("oom")
+    assert engine.rebuilds[-1]["after"] == {"gpu_memory_utilization": 0.128, "max_num_seqs": 64}
