@@ -404,13 +404,6 @@ class HardwareConfig(_Section):
         description="Local Ray on the CPU backend: once the engines are up, the run's other processes keep off "
         "the cores vLLM bound its workers to, as vLLM advises (pipeline/run/affinity.py).",
     )
-    engine_cpus_before_work: bool = Field(
-        True,
-        description="A run that reuses earlier results starts its engine only once a row to generate is found: "
-        "its CPUs are kept apart from its vLLM import on (as a run without reuse keeps them), not from when "
-        "work is found. Night 2 of 16,000 rows on 2 cores: vLLM imported in 15 s beside the reused rows' "
-        "work, against 8 s alone (bench/README). false: a night whose every row is reused keeps every CPU.",
-    )
 
 
 class AdaptivePolicy(_Section):

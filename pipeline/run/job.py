@@ -510,8 +510,7 @@ def run_dataset(ctx: RunContext, ds: Any, prepare: PrepareSettings, target: Outp
         # Each engine warning once per run, unless --verbose.
         settings = replace(generate_settings(config, prepare, ctx.run_id, quiet_warnings=not verbose),
                            pool_gate=pool.gate, result_key_base=ctx.result_key["base"],
-                           engine_on_demand=ctx.reuse_index is not None,
-                           cpus_before_work=hw.engine_cpus_before_work)
+                           engine_on_demand=ctx.reuse_index is not None)
         ds = with_engines(ds, config, settings, ctx.start_limits, pool)
         sink = ParquetPartsSink(target.staging, ctx.run_id, ctx.out_schema,
                                 key_columns(job.input.id_column, job.passages is not None), previous=committed.parts,

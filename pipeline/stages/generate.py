@@ -148,8 +148,6 @@ class GenerateSettings:
     # Reuse is on: the engine starts with the first batch that has a row to generate, so a
     # night whose every row is reused starts none.
     engine_on_demand: bool = False
-    # An engine on demand keeps its CPUs apart from its import on (`hardware.engine_cpus_before_work`).
-    cpus_before_work: bool = True
     annotations: AnnotationSettings | None = None
     chunk_overlap: int = 64
     inject_faults: tuple[tuple[int, str], ...] = ()  # drills: (window, kind) each, once each
@@ -377,12 +375,11 @@ class GenerateStage:
             # needs the engine first builds it under, so that their log tees do not overlap.
             with self._starting:
                 if settings.backend == "vllm" and self.engine is None:
-                    # Bound now, and the pool told now (the run's other processes moved off
-                    # these CPUs: the import took 15 s beside them, 8 s without), or only once
-                    # there is work (`cpus_before_work` off: a night whose every row is reused
-                    # then keeps every CPU for its reading and writes).
-                    cpus = self._bind_early(report=settings.cpus_before_work)
-                    if cpus and not settings.cpus_before_work:
+                    # Bound now, but the pool is told (and the run's other processes moved
+                    # off these CPUs) only once there is work: a night whose every row is
+                    # reused builds no engine, and keeps every CPU for its reading and writes.
+                    cpus = self._bind_early(report=False)
+                    if cpus:
                         threading.Thread(target=self._report_on_work, args=(cpus,), name="cpus-on-work",
                                          daemon=True).start()
                     preload(self._warn_once())

@@ -365,39 +365,3 @@ def test_an_engine_of_its_own_cpus_binds_its_actor_before_vllms_import_and_tells
         stage.settings = replace(settings, pool_gate=Gate(), engine=engine)
         stage._bind_early()
     assert len(bound) == 1 and len(told) == 1
-
-
-@pytest.mark.parametrize("before_work", [True, False])
-def test_an_engine_on_demand_keeps_its_cpus_from_its_import_or_from_work_found(tiny_model, monkeypatch, before_work):
-    """`hardware.engine_cpus_before_work`: the pool is told the engine's CPUs (and the run's
-    other processes kept off them) before vLLM's import, as without reuse; off, only once
-    the lookup has found a row to generate."""
-    from dataclasses import replace
-
-    import pipeline.stages.generate as generate_module
-
-    order = []
-
-    class CpuGate(WorkGate):
-        def engine_cpus(self, actor, workers):
-            order.append("engine_cpus")
-
-    monkeypatch.setattr(generate_module, "preload", lambda warn_once: order.append("preload"))
-    monkeypatch.setattr(generate_module, "bind_process", lambda cpus: [0])
-    _, generate = stages(tiny_model, "jobs/nightly_summarize.yaml", [], FakeEngine())
-    gate = CpuGate(order)
-    settings = replace(generate.settings, engine_on_demand=True, pool_gate=gate, cpus_before_work=before_work,
-                       engine=replace(generate.settings.engine, in_process=True, bind_cpus=(0, 1)))
-    lazy = GenerateStage(settings)
-    lazy._build_engine = lambda settings, warn_once: FakeEngine()
-    assert gate.waiting.wait(10)
-    time.sleep(0.2)  # a thread that would tell the pool early has had its chance
-    if before_work:
-        assert order[:2] == ["engine_cpus", "preload"]
-    else:  # a thread of its own waits for work to tell the pool
-        assert "engine_cpus" not in order and "preload" in order
-    gate.found.set()
-    deadline = time.monotonic() + 10
-    while (lazy.engine is None or "engine_cpus" not in order) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert lazy.engine is not None
