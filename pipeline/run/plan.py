@@ -172,7 +172,9 @@ def cpu_kv_cache_bytes(model: str, engine: EngineConfig, context: int) -> int | 
     per_token = kv_bytes_per_token(model, engine.dtype)
     if per_token is None:
         return None
-    size = (engine.max_num_seqs or VLLM_CPU_MAX_NUM_SEQS) * context * per_token
+    # Whole blocks: vLLM cuts the bytes into blocks of up to 1,024 tokens, and one sequence
+    # of the whole context must fit whatever is left over.
+    size = ((engine.max_num_seqs or VLLM_CPU_MAX_NUM_SEQS) + 1) * -(-context // 1024) * 1024 * per_token
     return size if size < engine.gpu_memory_utilization * node_memory_bytes() else None
 
 

@@ -141,11 +141,12 @@ def test_on_a_cpu_the_kv_cache_is_no_larger_than_the_engine_can_fill(tmp_path, m
     monkeypatch.setattr(plan, "node_memory_bytes", lambda: 24 * 2**30)
     tiny = write_config(tmp_path / "tiny", num_key_value_heads=1, head_dim=64)  # 512 bytes a token
     engine = EngineConfig(gpu_memory_utilization=0.2, dtype="bfloat16")
-    assert plan.cpu_kv_cache_bytes(tiny, engine, 16384) == 256 * 16384 * 512  # 2 GiB, under 0.2 x 24
+    assert plan.cpu_kv_cache_bytes(tiny, engine, 16384) == 257 * 16384 * 512  # 2 GiB, under 0.2 x 24
     settings = plan.vllm_settings(tiny, engine, 0, cpu_context=16384)
-    assert settings.kwargs["kv_cache_memory_bytes"] == 2 * 2**30
+    assert settings.kwargs["kv_cache_memory_bytes"] == 257 * 16384 * 512
     assert "kv_cache_memory_bytes" not in plan.vllm_settings(tiny, engine, 0).kwargs  # not on a GPU
-    assert plan.cpu_kv_cache_bytes(tiny, engine.model_copy(update={"max_num_seqs": 64}), 4096) == 64 * 4096 * 512
+    # In whole blocks of up to 1,024 tokens, with one sequence more than the engine runs.
+    assert plan.cpu_kv_cache_bytes(tiny, engine.model_copy(update={"max_num_seqs": 1}), 1000) == 2 * 1024 * 512
     # The share is less anyway, or the profile sizes the cache itself: vLLM's own sizing.
     assert plan.cpu_kv_cache_bytes(tiny, engine, 65536) is None  # 8 GiB > 4.8 GiB
     for sized in ({"cpu_kvcache_space_gib": 1}, {"num_gpu_blocks_override": 100},
@@ -163,4 +164,4 @@ def test_a_cpu_runs_engine_gets_the_sized_kv_cache_and_a_gpu_runs_does_not(tiny_
         kwargs = generate_settings(config, prepare, "run").engine.kwargs
         assert ("kv_cache_memory_bytes" in kwargs) == sized, profile
         if sized:
-            assert kwargs["kv_cache_memory_bytes"] == 256 * 4096 * 512
+            assert kwargs["kv_cache_memory_bytes"] == 257 * 4096 * 512
