@@ -145,7 +145,6 @@ class TransformersEngine:
         self._queue: dict[str, tuple[list[int], Sampling]] = {}
         self._ids = itertools.count()
         self._pressure = 0.0
-        self.allocated_peak: int | None = None  # CUDA: the last batch's peak of allocated tensors
         self._calibrations: list[float] = []
 
     # --- memory -----------------------------------------------------------------------
@@ -235,7 +234,7 @@ class TransformersEngine:
         tokens = rows * (longest + new)
         started = time.monotonic()
         try:
-            with torch.inference_mode(), self._measure(tokens):
+            with torch.inference_mode(), self._measure(tokens) as measured:
                 generated = self.model.generate(input_ids=input_ids.to(self.device),
                                                 attention_mask=mask.to(self.device), **kwargs)
         except BaseException as e:
@@ -248,8 +247,8 @@ class TransformersEngine:
         self.padding.add(rows * longest, sum(len(ids) for _, ids, _ in group))
         peak = {"rows": rows, "padded_len": longest, "new_tokens": new, "pressure": round(self._pressure, 4),
                 "s": round(time.monotonic() - started, 4)}
-        if self.allocated_peak is not None:  # CUDA: what the tensors took, beside what the allocator held
-            peak["allocated"] = round(self.allocated_peak / self.budget_bytes, 4)
+        if measured.allocated is not None:  # CUDA: what the tensors took, beside what the allocator held
+            peak["allocated"] = round(measured.allocated / self.budget_bytes, 4)
         self.peaks.append(peak)
         start = 1 if self.encoder_decoder else longest  # a decoder's output repeats its prompt
         finished = []
@@ -264,20 +263,22 @@ class TransformersEngine:
     class _Measured:
         def __init__(self, engine: TransformersEngine, tokens: int):
             self.engine, self.tokens = engine, tokens
+            self.allocated: int | None = None  # CUDA: the batch's peak of allocated tensors
 
-        def __enter__(self) -> None:
+        def __enter__(self) -> TransformersEngine._Measured:
             e = self.engine
             if e.cuda:
                 e.device_api.empty_cache()  # the last batch's cached blocks: not this batch's
                 e.device_api.reset_peak_memory_stats(e.device)
             else:
                 self.rss = _PeakRSS().__enter__()
+            return self
 
         def __exit__(self, kind: Any, *exc: Any) -> None:
             e = self.engine
             if e.cuda:
                 peak = e.device_api.max_memory_reserved(e.device)
-                e.allocated_peak = e.device_api.max_memory_allocated(e.device)
+                self.allocated = e.device_api.max_memory_allocated(e.device)
                 if kind is None:
                     e._learn_token_cost(peak - e.weights_bytes, self.tokens)
                 e._pressure = peak / e.budget_bytes

@@ -245,7 +245,7 @@ class VLLMEngine:
                         f"{self.settings.min_gpu_memory_utilization}): {cause}"
                     ) from e
                 log.warning("engine start-up failed at gpu_memory_utilization=%s; retrying at %s", util, lower)
-                self._ask_less(lower / util)
+                self._lower_memory(lower)
                 continue
             tee.stop()
             self._tee = tee  # its pump goes on forwarding the core's output, and keeps its tail
@@ -311,9 +311,8 @@ class VLLMEngine:
         a lower memory fraction and fewer concurrent sequences."""
         self.close()
         before = self._asked()
-        util = self.kwargs["gpu_memory_utilization"]
-        self._ask_less(max(self.settings.min_gpu_memory_utilization,
-                           round(util * self.settings.startup_backoff ** 0.5, 4)) / util)
+        self._lower_memory(max(self.settings.min_gpu_memory_utilization,
+                               round(self.kwargs["gpu_memory_utilization"] * self.settings.startup_backoff ** 0.5, 4)))
         self.kwargs["max_num_seqs"] = max(1, self.max_num_seqs // 2)
         self.startup_attempts = []
         self._build()
@@ -322,15 +321,18 @@ class VLLMEngine:
 
     def _asked(self) -> dict[str, Any]:
         """What the engine was built with that a rebuild lowers."""
-        return {"gpu_memory_utilization": self.kwargs["gpu_memory_utilization"], "max_num_seqs": self.max_num_seqs,
-                **{k: self.kwargs[k] for k in ("kv_cache_memory_bytes",) if k in self.kwargs}}
-
-    def _ask_less(self, factor: float) -> None:
-        """The memory fraction, and a KV cache sized in bytes (which wins over the fraction:
-        `pipeline.run.plan.cpu_kv_cache_bytes`), times `factor`."""
-        self.kwargs["gpu_memory_utilization"] = round(self.kwargs["gpu_memory_utilization"] * factor, 4)
+        asked = {"gpu_memory_utilization": self.kwargs["gpu_memory_utilization"], "max_num_seqs": self.max_num_seqs}
         if "kv_cache_memory_bytes" in self.kwargs:
+            asked["kv_cache_memory_bytes"] = self.kwargs["kv_cache_memory_bytes"]
+        return asked
+
+    def _lower_memory(self, utilization: float) -> None:
+        """The memory fraction to `utilization`, and a KV cache sized in bytes (which wins
+        over the fraction: `pipeline.run.plan.cpu_kv_cache_bytes`) by the same factor."""
+        if "kv_cache_memory_bytes" in self.kwargs:
+            factor = utilization / self.kwargs["gpu_memory_utilization"]
             self.kwargs["kv_cache_memory_bytes"] = int(self.kwargs["kv_cache_memory_bytes"] * factor)
+        self.kwargs["gpu_memory_utilization"] = utilization
 
     def close(self) -> None:
         """Stop the engine core process now rather than at interpreter exit."""
