@@ -509,7 +509,12 @@ class BatchingConfig(_Section):
         "continuous",
         description="continuous: admit rows as others finish; drain: classic batches, each run to its last row.",
     )
-    prepare_batch_rows: int = Field(256, gt=0, description="Rows per tokenizing batch.")
+    prepare_batch_rows: int = Field(
+        1024, gt=0,
+        description="Rows per tokenizing batch, and per block of the reuse lookup after it. Each batch is a "
+        "task or an actor call of its own on the stages before the engine: at 256, a night that reuses most "
+        "rows spent longer passing them through those stages (bench/README.md, incremental nightly runs).",
+    )
     generate_batch_rows: int = Field(
         128, gt=0,
         description="Rows per block an engine actor takes: small enough that every engine gets blocks of "
