@@ -163,15 +163,6 @@ def preload(warn_once: WarnOnce | None = None) -> None:
         tee.stop()
 
 
-def zero_kv_caches(worker: Any) -> int:
-    """Run on a vLLM worker (`LLM.collective_rpc`): write every KV cache tensor of its
-    model runner once, and return their bytes."""
-    caches = getattr(worker.model_runner, "kv_caches", None) or []
-    for tensor in caches:
-        tensor.zero_()
-    return sum(t.numel() * t.element_size() for t in caches)
-
-
 def first_token_s(output: Any) -> float | None:
     """Arrival to first token, as vLLM measured it for the request (its stats are on:
     `disable_log_stats` false); None where it did not."""
@@ -276,23 +267,9 @@ class VLLMEngine:
             cache.num_gpu_blocks * cache.block_size if cache.num_gpu_blocks else None
         )
         self._steps = StepTap(self._engine, self.timeline)  # KV usage, preemptions, prefix cache: per step
-        self.kv_cache_committed_bytes = self._commit_kv_cache()
         self._watch_for_death()
         if self.settings.in_process and self.settings.bind_cpus:
             self._bind(self.settings.bind_cpus)
-
-    def _commit_kv_cache(self) -> int | None:
-        """Write the KV cache once where the core runs in this process (a CPU's default), and
-        return its bytes (None where the core is apart). On a CPU the cache is host memory, and vLLM leaves
-        the pages of a cache sized in bytes (`kv_cache_memory_bytes`, `pipeline.run.plan`)
-        untouched until a block is first used: the engine's memory then climbed through a
-        run by up to the cache's size, 3.25 GiB at 1x `make bench-scale`'s corpus and
-        3.87 GiB at 4x (bench/README, *A corpus larger than the object store*). Written
-        here (about 0.8 s for 2 GiB on one core), what the engine holds is held from its
-        start, and a host that cannot hold it fails now, not in the middle of the night."""
-        if not self.settings.in_process:
-            return None
-        return sum(self._llm.collective_rpc(zero_kv_caches))
 
     def _bind(self, run_cpus: Sequence[int]) -> None:
         """The model runs in this process: every thread of it to all but one of the run's

@@ -443,9 +443,6 @@ class GenerateStage:
             "startup_s": round(self.engine.startup_s, 3),
             "startup_attempts": self.engine.startup_attempts,
             "kv_cache_tokens": self.engine.kv_cache_tokens,
-            # The KV cache written at the engine's start (vLLM in this process), so that its
-            # memory is held from then on, not taken block by block through the run.
-            "kv_cache_committed_bytes": getattr(self.engine, "kv_cache_committed_bytes", None),
             "max_model_len": self.engine.max_model_len,
             "max_num_seqs": self.engine.max_num_seqs,
         }
