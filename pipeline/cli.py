@@ -7,7 +7,9 @@ Nothing here imports Ray or vLLM at start-up, so `pipeline --help` stays fast.
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -35,7 +37,7 @@ EXIT_FAILED = 1
 EXIT_ERROR_RATE = 3
 
 
-RAY_EXIT_GRACE_S = 5.0  # the most a local Ray's workers get to end on their own after its shutdown
+RAY_EXIT_GRACE_S = 5.0  # the most a local Ray's workers get to end after its shutdown, before they are killed
 
 
 def _stop_ray() -> None:
@@ -43,23 +45,63 @@ def _stop_ray() -> None:
     go (a dying actor's last words among them), and nothing of theirs may follow ours.
     A local instance's processes (its GCS, raylet and every worker under them, engine
     actors too) are gone when this returns: Ray's shutdown kills the first and leaves the
-    workers to notice in their own time, which on a loaded machine took seconds, so those
-    still there after RAY_EXIT_GRACE_S are killed. Never a process Ray did not start here."""
+    workers to notice in their own time, which on a loaded machine took seconds, so they
+    are told to end, and those still there after RAY_EXIT_GRACE_S are killed. Never a
+    process Ray did not start here."""
     ray = sys.modules.get("ray")
     if ray is None or not ray.is_initialized():
         return
     ours = _local_ray_processes()
+    _end_monitor()
     ray.shutdown()
-    if ours:
-        import psutil
+    # Told to end, not left to find the raylet gone: on 2 cores that took them 3 s.
+    left = _signal_and_wait(ours, signal.SIGTERM)
+    _signal_and_wait(left, signal.SIGKILL)
 
-        _, left = psutil.wait_procs(ours, timeout=RAY_EXIT_GRACE_S)
-        for p in left:
+
+def _signal_and_wait(processes: list[Any], sig: int) -> list[Any]:
+    """Send `sig` to each of `processes`, and wait up to RAY_EXIT_GRACE_S for them to end;
+    those still running come back. An exited process its parent has not reaped yet (its
+    raylet gone, it waits for init) has ended: psutil's own wait would count it running."""
+    import psutil
+
+    def running(p: Any) -> bool:
+        try:
+            return p.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    for p in processes:
+        try:
+            p.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
+    deadline = time.monotonic() + RAY_EXIT_GRACE_S
+    left = [p for p in processes if running(p)]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = [p for p in left if running(p)]
+    return left
+
+
+def _end_monitor() -> None:
+    """Kill the local instance's autoscaler monitor ahead of Ray's shutdown. The shutdown
+    stops the GCS first, then asks the monitor to end, and the monitor's handler for that
+    tries to tell the GCS it was stopped: it never answers, and Ray kills the monitor after
+    its 1 s grace. One second of every local run's end (bench/README.md, "Incremental
+    nightly runs"); the monitor holds nothing a run needs by then."""
+    from ray._private import ray_constants, worker
+
+    node = worker._global_node
+    if node is None or not node.head:
+        return
+    for info in node.all_processes.get(ray_constants.PROCESS_TYPE_MONITOR, []):
+        if info.process.poll() is None:
+            info.process.kill()
             try:
-                p.kill()
-            except psutil.NoSuchProcess:
+                info.process.wait(timeout=RAY_EXIT_GRACE_S)
+            except Exception:  # subprocess.TimeoutExpired: Ray's shutdown deals with it
                 pass
-        psutil.wait_procs(left, timeout=RAY_EXIT_GRACE_S)
 
 
 def _local_ray_processes() -> list[Any]:
