@@ -39,7 +39,8 @@ PART_PREFIX = "part-"
 
 class ParquetPartsSink(Datasink[dict[str, Any]]):
     def __init__(self, staging: Any, run_id: str, output_schema: pa.Schema, keys: list[str],
-                 previous: list[dict[str, Any]] | None = None, text_column: str = "text"):
+                 previous: list[dict[str, Any]] | None = None, text_column: str = "text",
+                 min_rows: int | None = None):
         self.fs = staging.fs
         self.root = staging.data  # the run's staging folder: the parts go here, and nowhere else
         self.staging_root = staging.root  # and their commit markers under here
@@ -50,6 +51,12 @@ class ParquetPartsSink(Datasink[dict[str, Any]]):
         self.text_column = text_column  # the rows' source text, for the quality counts
         self.summary: dict[str, Any] | None = None
         self.generated_rows = 0  # rows this run itself wrote (the rest came in as `previous`)
+        self.min_rows = min_rows  # the fewest rows a part holds but the last (None: one per block)
+
+    @property
+    def min_rows_per_write(self) -> int | None:
+        """What Ray Data bundles blocks up to before each `write` (a part each)."""
+        return self.min_rows
 
     def get_name(self) -> str:
         return "ParquetParts"

@@ -179,6 +179,8 @@ def test_a_night_whose_every_row_is_reused_starts_no_engine(nights, ray_tmp):
     assert report["engine"]["cpus"] is None  # no engine: the run's processes kept every CPU
     written = pq.read_table(output)
     assert written.num_rows == rows and set(written.column("status").to_pylist()) == {"ok"}
+    # Reuse on: a part per tokenizing batch (1,024 rows by default), not one per engine block.
+    assert rows < 1024 and [pq.read_metadata(output / f).num_rows for f in report["files"]] == [rows]
 
 
 def test_night_3_with_another_template_generates_every_row(nights, tiny_model):
