@@ -69,11 +69,7 @@ WORKER_ENV_DEFAULTS = {"VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM"
 # cores for about 4 s at every run's start, ahead of the engine's build and the first
 # tokenized rows (bench/README.md, "Incremental nightly runs"). One actor, with its 128
 # I/O threads, reads a machine's own corpus; a cluster keeps Ray's pool.
-# And glibc's malloc held to two arenas in every process of the local Ray: the engine
-# actor's memory climbed through a run on an AMD EPYC without AMX (+558 MiB over its build
-# on 10k rows, +1,179 on 42k), a third less so, at no measured cost to the engine
-# (bench/README.md, `make bench-scale`). Measured on the CPU backend only.
-LOCAL_WORKER_ENV_DEFAULTS = {"RAY_DATA_PARQUET_FOOTER_NUM_ACTORS": "1", "MALLOC_ARENA_MAX": "2"}
+LOCAL_WORKER_ENV_DEFAULTS = {"RAY_DATA_PARQUET_FOOTER_NUM_ACTORS": "1"}
 
 
 def worker_env(local: bool, environ: dict[str, str] | None = None) -> dict[str, str]:
