@@ -160,7 +160,7 @@ class Sampler:
         self._thread.join()
 
 
-def one(rows: int, cap_mb: int, work: Path) -> dict:
+def one(rows: int, cap_mb: int, work: Path, sets: tuple[str, ...] = ()) -> dict:
     corpus = work / "in"
     t = time.monotonic()
     write_corpus(corpus, rows, seed=rows)
@@ -171,7 +171,7 @@ def one(rows: int, cap_mb: int, work: Path) -> dict:
            "--input", str(corpus), "--output", str(work / "out"), "--no-reuse",
            "--set", "batching.learned_limits=null", "--set", f"hardware.object_store_mb={cap_mb}",
            "--set", "sampling.max_new_tokens=4", "--set", f"batching.prepare_batch_rows={FILE_ROWS // 4}",
-           "--progress", "off"]
+           "--progress", "off", *(a for kv in sets for a in ("--set", kv))]
     started = time.monotonic()
     with open(work / "run.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
@@ -208,15 +208,17 @@ def main() -> None:
     parser.add_argument("--cap-mb", type=int, default=100)
     parser.add_argument("--sizes", default="1,2,4", help="corpus sizes, in multiples of the object store's cap")
     parser.add_argument("--out", default=str(REPO / "bench/results/scale"))
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a setting for every size's run (as `pipeline run --set`)")
     args = parser.parse_args()
     results = []
     for k in (float(x) for x in args.sizes.split(",")):
         rows = int(k * args.cap_mb * 2**20 / ROW_BYTES)
         with tempfile.TemporaryDirectory(prefix="scale-") as tmp:
-            results.append(one(rows, args.cap_mb, Path(tmp)))
+            results.append(one(rows, args.cap_mb, Path(tmp), tuple(args.set)))
         print(json.dumps(results[-1]), flush=True)
     machine = describe()
-    Path(args.out + ".json").write_text(json.dumps({"machine": machine, "commit": git_commit(),
+    Path(args.out + ".json").write_text(json.dumps({"machine": machine, "commit": git_commit(), "sets": args.set,
                                                     "cap_mb": args.cap_mb, "runs": results}, indent=2))
     roles = sorted({r for x in results for r in x["peaks_mib"]})
     lines = [
@@ -225,7 +227,8 @@ def main() -> None:
         "",
         f"Machine: {machine['cpu']}, {machine['cores']} logical cores, {machine['memory_gib']} GiB; CPU flags "
         f"{', '.join(machine['cpu_flags']) or 'none of note'}; commit {git_commit()}. "
-        "`python -m bench.scale` (make bench-scale); one run per size, a fresh local Ray each; RSS sampled "
+        f"`python -m bench.scale` (make bench-scale){''.join(f' --set {kv}' for kv in args.set)}; one run per "
+        "size, a fresh local Ray each; RSS sampled "
         "every 0.5 s, USS every 5 s. USS is what a process alone holds; RSS also counts the object store's pages it "
         "maps.",
         "",

@@ -548,7 +548,7 @@ def write_rows(ctx: RunContext) -> int | None:
     """The fewest rows of a part (but the last), or None for a part per engine block, its
     rows committed as soon as they are generated. With reuse on, a part per tokenizing
     batch: most rows are found, need no engine, and would otherwise be a write task every
-    128 rows on the cores the engine leaves (night 2 of `make bench-nightly` 1.3 s sooner,
+    128 rows on the cores the engine leaves (night 2 of `make bench-nightly` 1.6 s sooner,
     bench/README.md). A part then waits for a batch's worth of rows, most of them found."""
     return ctx.store_fit.prepare_batch_rows if ctx.reuse_index is not None else None
 
