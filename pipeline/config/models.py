@@ -327,12 +327,6 @@ class EngineConfig(_Section):
         None, gt=0, description="CPU backend: KV cache size in GiB (sets VLLM_CPU_KVCACHE_SPACE)."
     )
     max_num_seqs: int | None = Field(None, gt=0, description="Most requests the engine runs at once.")
-    malloc_arenas: int | None = Field(
-        None, gt=0,
-        description="glibc's malloc arenas in the vLLM engine actor's process (mallopt M_ARENA_MAX, set before "
-        "vLLM's import; that process only). None: glibc's own, 8 per core. On an AMD EPYC without AMX the "
-        "actor's memory climbed through a run, a third less at 2 (bench/README.md, make bench-scale).",
-    )
     tensor_parallel_size: int = Field(
         1, gt=0,
         description="GPUs per engine for models too large for one: the engine actor reserves that many GPUs "

@@ -50,24 +50,6 @@ class VLLMSettings:
     # In this process: the run's CPUs, all but one of which its model takes, where no other
     # engine of this machine holds them (`claim_cpus`; `pipeline.run.plan.engine_cpus`).
     bind_cpus: tuple[int, ...] | None = None
-    malloc_arenas: int | None = None  # glibc's malloc arenas in this process (`hold_malloc_arenas`)
-
-
-M_ARENA_MAX = -8  # glibc's malloc.h
-
-
-def hold_malloc_arenas(arenas: int) -> bool:
-    """Hold glibc's malloc to `arenas` arenas in this process from now on: the threads
-    started after (vLLM's) share them instead of taking up to 8 per core. False where the
-    C library is not glibc's (no `mallopt`) or refused."""
-    import ctypes
-
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return mallopt(M_ARENA_MAX, arenas) == 1
 
 
 class EngineStartupError(RuntimeError):

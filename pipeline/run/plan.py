@@ -130,7 +130,7 @@ def vllm_settings(model: str, engine: EngineConfig, seed: int | None, cpu_contex
         kwargs["kv_cache_memory_bytes"] = size
     return VLLMSettings(kwargs, startup_backoff=engine.restart.startup_backoff,
                         min_gpu_memory_utilization=engine.restart.min_gpu_memory_utilization,
-                        cpu_kvcache_space_gib=engine.cpu_kvcache_space_gib, malloc_arenas=engine.malloc_arenas)
+                        cpu_kvcache_space_gib=engine.cpu_kvcache_space_gib)
 
 
 # vLLM's own default for `LLM` on the CPU backend (`EngineArgs`, one worker).

@@ -62,7 +62,7 @@ from pipeline.generation.tasks import (Annotation, AnnotationTask, BatchCalls, C
                                        map_reduce, summarize)
 from pipeline.generation.hf import HFSettings, TransformersEngine
 from pipeline.generation.server import ServerEngine, ServerSettings
-from pipeline.generation.vllm import VLLMEngine, VLLMSettings, bind_process, hold_malloc_arenas, preload
+from pipeline.generation.vllm import VLLMEngine, VLLMSettings, bind_process, preload
 from pipeline.generation.vllm_logs import python_warnings_once
 from pipeline.text.length import char_span, windows
 from pipeline.observe.metrics import EngineMeter, MeterSources, engine_name
@@ -289,8 +289,6 @@ class GenerateStage:
         # When this actor began, and with an engine on demand, when vLLM's import ended
         # and when the lookup found work (Unix times; the report's engine actors).
         self.born_at = round(time.time(), 3)
-        if settings.backend == "vllm" and settings.engine.malloc_arenas and engine is None:
-            hold_malloc_arenas(settings.engine.malloc_arenas)  # before vLLM's import starts its threads
         self.imported_at: float | None = None
         self.work_found_at: float | None = None
         self.settings = settings
