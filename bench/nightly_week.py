@@ -26,7 +26,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from bench.compare import git_commit, run_process
+from bench.compare import git_commit, run_process, set_args
 from pipeline.observe.machine import describe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,7 +50,7 @@ def run_night(night: int, corpus: Path, out: Path, sets: tuple[str, ...] = ()) -
     date = f"2026-12-{night:02d}"
     cmd = [sys.executable, "-m", "pipeline", "run", "jobs/nightly_summarize.yaml", "--profile", "conf/local.yaml",
            "--date", date, "--input", str(corpus), "--output", str(out / "dt={date}"),
-           "--set", "batching.learned_limits=null", *(a for kv in sets for a in ("--set", kv))]
+           "--set", "batching.learned_limits=null", *set_args(list(sets))]
     out.mkdir(parents=True, exist_ok=True)
     launched = time.time()
     wall, _ = run_process(cmd, out / f"night{night}.log")

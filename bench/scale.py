@@ -38,7 +38,7 @@ import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from bench.compare import git_commit
+from bench.compare import git_commit, set_args
 from pipeline.observe.machine import describe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -171,7 +171,7 @@ def one(rows: int, cap_mb: int, work: Path, sets: tuple[str, ...] = ()) -> dict:
            "--input", str(corpus), "--output", str(work / "out"), "--no-reuse",
            "--set", "batching.learned_limits=null", "--set", f"hardware.object_store_mb={cap_mb}",
            "--set", "sampling.max_new_tokens=4", "--set", f"batching.prepare_batch_rows={FILE_ROWS // 4}",
-           "--progress", "off", *(a for kv in sets for a in ("--set", kv))]
+           "--progress", "off", *set_args(list(sets))]
     started = time.monotonic()
     with open(work / "run.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
@@ -227,7 +227,7 @@ def main() -> None:
         "",
         f"Machine: {machine['cpu']}, {machine['cores']} logical cores, {machine['memory_gib']} GiB; CPU flags "
         f"{', '.join(machine['cpu_flags']) or 'none of note'}; commit {git_commit()}. "
-        f"`python -m bench.scale` (make bench-scale){''.join(f' --set {kv}' for kv in args.set)}; one run per "
+        f"`python -m bench.scale` (make bench-scale){''.join(' ' + a for a in set_args(args.set))}; one run per "
         "size, a fresh local Ray each; RSS sampled "
         "every 0.5 s, USS every 5 s. USS is what a process alone holds; RSS also counts the object store's pages it "
         "maps.",

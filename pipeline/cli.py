@@ -7,9 +7,8 @@ Nothing here imports Ray or vLLM at start-up, so `pipeline --help` stays fast.
 from __future__ import annotations
 
 import os
-import signal
+import subprocess
 import sys
-import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -51,37 +50,13 @@ def _stop_ray() -> None:
     ray = sys.modules.get("ray")
     if ray is None or not ray.is_initialized():
         return
+    from pipeline.run.pool import end_processes
+
     ours = _local_ray_processes()
     _end_monitor()
     ray.shutdown()
     # Told to end, not left to find the raylet gone: on 2 cores that took them 3 s.
-    left = _signal_and_wait(ours, signal.SIGTERM)
-    _signal_and_wait(left, signal.SIGKILL)
-
-
-def _signal_and_wait(processes: list[Any], sig: int) -> list[Any]:
-    """Send `sig` to each of `processes`, and wait up to RAY_EXIT_GRACE_S for them to end;
-    those still running come back. An exited process its parent has not reaped yet (its
-    raylet gone, it waits for init) has ended: psutil's own wait would count it running."""
-    import psutil
-
-    def running(p: Any) -> bool:
-        try:
-            return p.status() != psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return False
-
-    for p in processes:
-        try:
-            p.send_signal(sig)
-        except psutil.NoSuchProcess:
-            pass
-    deadline = time.monotonic() + RAY_EXIT_GRACE_S
-    left = [p for p in processes if running(p)]
-    while left and time.monotonic() < deadline:
-        time.sleep(0.05)
-        left = [p for p in left if running(p)]
-    return left
+    end_processes(ours, RAY_EXIT_GRACE_S)
 
 
 def _end_monitor() -> None:
@@ -100,7 +75,7 @@ def _end_monitor() -> None:
             info.process.kill()
             try:
                 info.process.wait(timeout=RAY_EXIT_GRACE_S)
-            except Exception:  # subprocess.TimeoutExpired: Ray's shutdown deals with it
+            except subprocess.TimeoutExpired:  # Ray's shutdown deals with it
                 pass
 
 

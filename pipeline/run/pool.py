@@ -389,8 +389,16 @@ def end_engine_processes(actors: set[int], grace_s: float = 3.0) -> list[int]:
                 procs += actor.children(recursive=True)
             except psutil.NoSuchProcess:
                 continue
+    return [p.pid for p in end_processes(procs, grace_s)]
+
+
+def end_processes(procs: list[Any], grace_s: float) -> list[Any]:
+    """SIGTERM to each of `procs` (psutil processes), SIGKILL to those still running
+    `grace_s` later, and a wait as long for those: the ones it had to kill. A zombie (ended,
+    its parent yet to reap it) is gone, where psutil's own wait would count it running."""
+    import psutil
+
     def living(ps: list[psutil.Process]) -> list[psutil.Process]:
-        """Those not yet gone: a zombie (ended, its parent yet to reap it) is gone."""
         out = []
         for p in ps:
             try:
@@ -417,7 +425,7 @@ def end_engine_processes(actors: set[int], grace_s: float = 3.0) -> list[int]:
     stubborn = wait(procs)
     send(stubborn, psutil.Process.kill)
     wait(stubborn)
-    return [p.pid for p in stubborn]
+    return stubborn
 
 
 class EnginePool:
