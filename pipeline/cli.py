@@ -6,6 +6,8 @@ Nothing here imports Ray or vLLM at start-up, so `pipeline --help` stays fast.
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 import subprocess
 import sys
@@ -35,6 +37,12 @@ EXIT_BAD_CONFIG = 2
 EXIT_FAILED = 1
 EXIT_ERROR_RATE = 3
 
+
+# At exit, after the handlers registered later (Ray's, imported on demand): every object left
+# is frozen, and the interpreter's teardown no longer sweeps the run's 2,000 modules' objects
+# for cycles on the way out: 0.6-0.75 s after a 16,000-row night on 2 cores, 0.18 s frozen
+# (bench/README.md, "Incremental nightly runs").
+atexit.register(gc.freeze)
 
 RAY_EXIT_GRACE_S = 5.0  # the most a local Ray's workers get to end after its shutdown, before they are killed
 
