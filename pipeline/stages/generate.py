@@ -516,13 +516,14 @@ class GenerateStage:
     def __call__(self, batch: pa.Table) -> pa.Table:
         if self.refused is not None:
             raise RunRefused(self.refused)
-        if self.engine is None and rows_to_generate(batch):
+        generating = rows_to_generate(batch)
+        if self.engine is None and generating:
             with self._starting:
                 if self._start_error is not None:
                     raise self._start_error
                 if self.engine is None:
                     self._start_engine()
-        with self.life.serving(batch.num_rows):
+        with self.life.serving(batch.num_rows, generating):
             try:
                 out = self._generate(batch)
             except EngineCrashed as e:

@@ -279,6 +279,41 @@ def test_with_every_row_reused_no_engine_starts_until_a_row_needs_one(tiny_model
     assert out.column("summary").to_pylist() == ["one", "fresh", "fresh"]
 
 
+class BlockGate:
+    """A pool gate that records the blocks an engine actor holds and releases."""
+
+    def __init__(self):
+        self.calls = []
+
+    def wait(self):
+        return None
+
+    def hold(self, actor, block, rows):
+        self.calls.append(("hold", block, rows))
+
+    def release(self, actor, block):
+        self.calls.append(("release", block))
+
+
+def test_only_a_block_with_rows_to_generate_is_held_with_the_pool(tiny_model):
+    """A block whose every row is reused passes through: the pool's log is not called for it
+    (two calls per block, on the engine's own process); a block with a row to generate is
+    held while it is served and released after, with all its rows."""
+    from dataclasses import replace
+
+    prepare, generate = stages(tiny_model, "jobs/nightly_summarize.yaml", [], FakeEngine())
+    gate = BlockGate()
+    stage = GenerateStage(replace(generate.settings, pool_gate=gate), engine=FakeEngine(reply=lambda ids, s: "fresh"))
+    prepared = prepare(CORPUS)
+    stage(looked_up(prepared, {0: "one", 1: "two", 2: "three"}))
+    assert gate.calls == []
+    out = stage(looked_up(prepared, {0: "one"}))
+    assert out.column("summary").to_pylist() == ["one", "fresh", "fresh"]
+    (hold, block, rows), release = gate.calls
+    assert (hold, rows) == ("hold", 3) and release == ("release", block)
+    assert stage.life._held == {}
+
+
 class WorkGate:
     """A pool gate whose reuse lookup has found no row to generate until `found` is set."""
 
