@@ -6,7 +6,8 @@ Per night: wall (the whole process), engine time (the report's), fixed start-up 
 launch to the first engine call), rows reused and generated, the index's build time.
 Goals (issue 27): night 2's engine time at most 6% of night 1's; night 2's wall at most
 night 1's fixed start-up plus 10% of the rest; the lookup's own cost at most 5% of night
-1's wall.
+1's wall. Night 2 runs `--night-2-runs` times (3), each against night 1's output, and the
+goals take the median: one 30 s run on 2 cores spreads by a tenth.
 
     .venv/bin/python -m bench.nightly_week [--rows 16000] [--nights 7]
 
@@ -18,6 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -76,6 +79,9 @@ def main() -> None:
     parser.add_argument("--edited", type=float, default=0.03)
     parser.add_argument("--new", type=float, default=0.01)
     parser.add_argument("--removed", type=float, default=0.01)
+    parser.add_argument("--night-2-runs", type=int, default=3,
+                        help="night 2 run this many times against night 1 (each in a copy of its output), "
+                             "judged on the median: one run on 2 cores spread by a tenth")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a setting for every night's run (as `pipeline run --set`)")
     parser.add_argument("--out", default=str(REPO / "bench/results/nightly_week"))
@@ -84,7 +90,7 @@ def main() -> None:
     from pipeline.tools.dev.corpus import make_corpus
 
     rng = random.Random(0)
-    nights = []
+    nights, repeats = [], []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         corpus = make_corpus(args.rows, seed=0)
@@ -97,18 +103,28 @@ def main() -> None:
             pq.write_table(corpus, path)
             nights.append(run_night(night, path, work / "out", tuple(args.set)))
             print(json.dumps(nights[-1]), flush=True)
+            if night == 2:
+                for k in range(1, args.night_2_runs):
+                    # The same night again, against night 1's partition alone, in a copy.
+                    again = work / f"night2-again-{k}"
+                    shutil.copytree(work / "out" / "dt=2026-12-01", again / "dt=2026-12-01")
+                    repeats.append(run_night(2, path, again, tuple(args.set)))
+                    print(json.dumps(repeats[-1]), flush=True)
 
-    one, two = nights[0], nights[1]
-    rest1 = one["wall_s"] - one["fixed_startup_s"]
+    one = nights[0]
+    twos = [nights[1], *repeats]
+    two = {k: statistics.median(n[k] for n in twos) for k in ("wall_s", "engine_s", "index_s")}
+    bound = one["fixed_startup_s"] + 0.1 * (one["wall_s"] - one["fixed_startup_s"])
     goals = {
         "night 2 engine time <= 6% of night 1's": (two["engine_s"] / one["engine_s"], 0.06),
-        "night 2 wall <= night 1's fixed start-up + 10% of the rest": (
-            two["wall_s"] / (one["fixed_startup_s"] + 0.1 * rest1), 1.0),
+        "night 2 wall <= night 1's fixed start-up + 10% of the rest": (two["wall_s"] / bound, 1.0),
         "the lookup's index build <= 5% of night 1's wall": ((two["index_s"] or 0) / one["wall_s"], 0.05),
     }
     machine = describe()
+    walls = [n["wall_s"] for n in twos]
     Path(args.out + ".json").write_text(json.dumps({"machine": machine, "commit": git_commit(), "args": vars(args),
-                                                   "nights": nights, "goals": goals}, indent=2))
+                                                   "nights": nights, "night_2_again": repeats,
+                                                   "night_2_bound_s": round(bound, 2), "goals": goals}, indent=2))
     lines = [
         f"# A simulated week of the nightly job ({args.rows:,} documents; each night {args.edited:.0%} edited, "
         f"{args.new:.0%} new, {args.removed:.0%} removed; tiny model, vLLM CPU backend)",
@@ -125,6 +141,11 @@ def main() -> None:
           f"{n['rows_generated'] if n['rows_generated'] is not None else n['rows']:,} | "
           f"{n['wall_s']:.1f} | {n['engine_s']:.1f} | {n['fixed_startup_s'] if n['fixed_startup_s'] is not None else '-'} | "
           f"{n['index_s'] if n['index_s'] is not None else '-'} | {n['engine_s_saved'] or 0:.1f} |" for n in nights),
+        "",
+        f"Night 2 ran {len(twos)} times against night 1 (the table's, then each in a copy of night 1's output): "
+        f"wall {', '.join(f'{w:.1f}' for w in walls)} s, each ÷ its bound ({bound:.1f} s: night 1's "
+        f"fixed start-up plus 10% of the rest) {', '.join(f'{w / bound:.3f}' for w in walls)}; "
+        "the goals below take the median.",
         "",
         "| goal | measured | bound | met |",
         "| --- | ---: | ---: | :---: |",
