@@ -23,10 +23,12 @@ It never touches a process outside the driver's own tree, nor one whose CPUs are
 already among the engines' (a worker that vLLM has bound but not yet reported), nor
 one already narrowed. An engine apart starts on every CPU: the engines' start is
 what it waits for. An engine in its actor's process is bound before vLLM's import and
-build (`GenerateStage._bind_early`) and reports then, or, started on demand, once the
-reuse lookup has found work (a night with none builds no engine and keeps every CPU):
-its import then has its cores to itself (on 2 cores beside a night's reused rows, 10-13 s instead of
-36-52 s, bench/README). An engine started later (a restarted actor, a rebuilt engine) starts
+build (`GenerateStage._bind_early`) and reports then: its import has its cores to itself
+(on 2 cores beside a night's reused rows, 7.6-8.7 s instead of 8.6-10.8 s, bench/README).
+Started on demand, it gives them back (reports none) if the import ends before the reuse
+lookup has found work, and the guard widens the run's processes again, until it reports
+them once more (a night with nothing to generate builds no engine, and keeps every CPU
+once vLLM is imported). An engine started later (a restarted actor, a rebuilt engine) starts
 narrowed, and widens only its starting thread (`pipeline.generation.vllm.every_cpu`),
 so that vLLM binds its new worker as before.
 
@@ -87,8 +89,11 @@ class EngineCpuGuard:
             return
         workers = {pid: cpus for report in reports.values() for pid, cpus in report.items()}
         engine = {cpu for cpus in workers.values() for cpu in cpus}
+        if not engine:  # every engine gave its CPUs back (on demand, imported, no work yet)
+            self.widen()
+            return
         others = self.allowed - engine
-        if not engine or not others:
+        if not others:
             return
         self.engine_cpus, self.other_cpus = engine, others
         me = psutil.Process()
@@ -103,6 +108,25 @@ class EngineCpuGuard:
                 continue
             if bind_threads(p.pid, others):
                 self.moved.add(p.pid)
+
+    def widen(self) -> None:
+        """Every process of the tree on the others' CPUs back on the driver's: those the guard
+        narrowed, and those started since by one of them (a worker the raylet started
+        inherits its CPUs). The engines' own are on theirs, and stay."""
+        import psutil
+
+        if not self.other_cpus:
+            return
+        me = psutil.Process()
+        for p in [me, *me.children(recursive=True)]:
+            try:
+                cpus = set(p.cpu_affinity())
+            except psutil.Error:
+                continue
+            if cpus <= self.other_cpus:
+                bind_threads(p.pid, self.allowed)
+        self.moved.clear()
+        self.engine_cpus, self.other_cpus = set(), set()
 
     def summary(self) -> dict[str, Any] | None:
         """For the report: the engines' CPUs, the others', and how many processes were moved."""

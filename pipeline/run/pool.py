@@ -253,6 +253,9 @@ class PoolLog:
     def work_found(self) -> None:
         self.work = True
 
+    def has_work(self) -> bool:
+        return self.work
+
     async def await_work(self) -> bool:
         import asyncio
 
@@ -310,6 +313,12 @@ class PoolGate:
         import ray
 
         ray.get(self.log.await_work.remote())
+
+    def has_work(self) -> bool:
+        """Whether a row to generate has been found yet."""
+        import ray
+
+        return ray.get(self.log.has_work.remote())
 
     def hold(self, actor: str, block: str, rows: int) -> None:
         self.log.hold.remote(actor, block, rows)  # fire and forget: one per block

@@ -62,3 +62,47 @@ def test_nothing_moves_when_the_workers_leave_no_cpu_free():
     guard = EngineCpuGuard(lambda: {"engine-1": {12345: everything}})
     guard.once()
     assert guard.summary() is None and guard.moved == set()
+
+
+WIDEN = r"""
+import json, os, subprocess, sys
+from pipeline.run.affinity import EngineCpuGuard
+sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+engine = subprocess.Popen(sleep)
+os.sched_setaffinity(engine.pid, {0})  # an engine on demand, bound before vLLM's import
+other = subprocess.Popen(sleep)
+reported = {"engine-1": {engine.pid: [0]}}
+guard = EngineCpuGuard(lambda: reported)
+guard.once()
+late = subprocess.Popen(sleep)  # started since from a narrowed process: narrowed by inheritance
+narrowed = {"other": sorted(os.sched_getaffinity(other.pid)), "late": sorted(os.sched_getaffinity(late.pid))}
+reported = {"engine-1": {}}  # imported, no work found yet: the CPUs given back
+guard.once()
+widened = {"other": sorted(os.sched_getaffinity(other.pid)), "late": sorted(os.sched_getaffinity(late.pid)),
+           "driver": sorted(os.sched_getaffinity(0)), "engine": sorted(os.sched_getaffinity(engine.pid))}
+summary = guard.summary()
+reported = {"engine-1": {engine.pid: [0]}}  # work found: reported again
+guard.once()
+again = {"other": sorted(os.sched_getaffinity(other.pid)), "late": sorted(os.sched_getaffinity(late.pid))}
+guard.stop()
+for p in (engine, other, late):
+    p.kill()
+print(json.dumps({"narrowed": narrowed, "widened": widened, "summary": summary, "again": again}))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs CPU affinity and two CPUs to keep apart")
+def test_an_engine_that_gives_its_cpus_back_gets_every_process_widened_and_narrowed_again_when_it_reports():
+    """An engine on demand reports its CPUs for vLLM's import, and none once imported with no
+    work found: every process of the run is back on every CPU (one started meanwhile from a
+    narrowed process too), the engine's own stays bound; reported again, they leave it again."""
+    cpus = sorted(os.sched_getaffinity(0))
+    rest = [c for c in cpus if c != 0]
+    done = subprocess.run([sys.executable, "-c", WIDEN], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["narrowed"] == {"other": rest, "late": rest}
+    assert out["widened"] == {"other": cpus, "late": cpus, "driver": cpus, "engine": [0]}
+    assert out["summary"] is None  # nothing kept apart now
+    assert out["again"] == {"other": rest, "late": rest}

@@ -368,6 +368,44 @@ def test_an_engine_on_demand_imports_vllm_while_it_waits_and_starts_once_work_is
     assert order == ["preload", "await_work", "build"] and lazy.engine is built[0]
 
 
+def test_an_engine_on_demand_keeps_its_cpus_for_the_import_and_gives_them_back_until_work_is_found(
+        tiny_model, monkeypatch):
+    """Bound before vLLM's import, it tells the pool (the run's other processes leave its CPUs
+    to the import); imported with no row to generate found yet, it tells the pool it holds
+    none, and its CPUs again once one is found, before the engine is built."""
+    import os
+    from dataclasses import replace
+
+    import pipeline.stages.generate as generate_module
+
+    order = []
+    monkeypatch.setattr(generate_module, "preload", lambda warn_once: order.append("preload"))
+    monkeypatch.setattr(generate_module, "bind_process", lambda cpus: [0])
+
+    class Gate(WorkGate):
+        def has_work(self):
+            return self.found.is_set()
+
+        def engine_cpus(self, actor, workers):
+            order.append(("cpus", workers))
+
+    _, generate = stages(tiny_model, "jobs/nightly_summarize.yaml", [], FakeEngine())
+    gate = Gate(order)
+    settings = generate.settings
+    lazy = GenerateStage(replace(settings, engine_on_demand=True, pool_gate=gate,
+                                 engine=replace(settings.engine, in_process=True, bind_cpus=(0, 1))))
+    lazy._build_engine = lambda settings, warn_once: order.append("build") or FakeEngine()
+    deadline = time.monotonic() + 10
+    while order.count("await_work") < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    mine = {os.getpid(): [0]}
+    assert order == [("cpus", mine), "preload", ("cpus", {}), "await_work", "await_work"], order
+    gate.found.set()
+    while "build" not in order and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ("cpus", mine) in order[5:] and "build" in order[5:], order
+
+
 def test_an_engine_of_its_own_cpus_binds_its_actor_before_vllms_import_and_tells_the_pool(tiny_model, monkeypatch):
     """With the model in the actor's process on CPUs of its own (`bind_cpus`), the actor
     binds itself before vLLM is imported or built, and reports where, so the driver's guard
