@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,8 +82,6 @@ class EngineCpuGuard:
 
     def once(self) -> None:
         """One pass: the engines' CPUs as reported, and every other process of the tree narrowed."""
-        import psutil
-
         reports = self.workers()
         if len(reports) < self.engines:
             return
@@ -96,35 +94,21 @@ class EngineCpuGuard:
         if not others:
             return
         self.engine_cpus, self.other_cpus = engine, others
-        me = psutil.Process()
-        for p in [me, *me.children(recursive=True)]:
-            if p.pid in workers:
+        for pid, cpus in tree_cpus():
+            if pid in workers or cpus <= others or cpus <= engine:  # done already, or among the engines' cores
                 continue
-            try:
-                cpus = set(p.cpu_affinity())
-            except psutil.Error:
-                continue
-            if cpus <= others or cpus <= engine:  # done already, or bound among the engines' cores
-                continue
-            if bind_threads(p.pid, others):
-                self.moved.add(p.pid)
+            if bind_threads(pid, others):
+                self.moved.add(pid)
 
     def widen(self) -> None:
         """Every process of the tree on the others' CPUs back on the driver's: those the guard
         narrowed, and those started since by one of them (a worker the raylet started
         inherits its CPUs). The engines' own are on theirs, and stay."""
-        import psutil
-
         if not self.other_cpus:
             return
-        me = psutil.Process()
-        for p in [me, *me.children(recursive=True)]:
-            try:
-                cpus = set(p.cpu_affinity())
-            except psutil.Error:
-                continue
+        for pid, cpus in tree_cpus():
             if cpus <= self.other_cpus:
-                bind_threads(p.pid, self.allowed)
+                bind_threads(pid, self.allowed)
         self.moved.clear()
         self.engine_cpus, self.other_cpus = set(), set()
 
@@ -133,3 +117,16 @@ class EngineCpuGuard:
         if not self.engine_cpus:
             return None
         return {"engine": sorted(self.engine_cpus), "others": sorted(self.other_cpus), "processes": len(self.moved)}
+
+
+def tree_cpus() -> Iterator[tuple[int, set[int]]]:
+    """This process and every process under it, each with the CPUs it may run on (those
+    gone or not ours to read are passed over)."""
+    import psutil
+
+    me = psutil.Process()
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            yield p.pid, set(p.cpu_affinity())
+        except psutil.Error:
+            continue

@@ -5,8 +5,9 @@ is anything in the process that drove it: the actor logs the incident with the
 pool (`pipeline.run.pool.PoolGate`: time, cause, the blocks with rows to generate
 it held, and their rows) and ends its own process, engine core first. Ray starts
 the actor afresh, up to `engine.max_restarts` times, and retries every block it
-held; none of their rows was written, so none is written twice. An actor killed outright says nothing:
-its next incarnation reports the restart, and the pool knows what the dead one held.
+held; none of their rows was written, so none is written twice. An actor killed
+outright says nothing: its next incarnation reports the restart, and the pool knows
+what the dead one held.
 """
 
 from __future__ import annotations

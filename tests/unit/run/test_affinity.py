@@ -11,6 +11,11 @@ import pytest
 
 from pipeline.run.affinity import EngineCpuGuard
 
+# Linux's CPU affinity and two CPUs to keep apart (CI's machines have both; a 1-CPU box has
+# nothing to keep apart, and the guard does nothing there by design: `plan.engine_cpus`).
+TWO_CPUS = pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                              reason="needs CPU affinity and two CPUs to keep apart")
+
 DRIVER = r"""
 import json, os, subprocess, sys, time
 from pipeline.run.affinity import EngineCpuGuard
@@ -37,8 +42,7 @@ print(json.dumps({"before": before, "during": during, "after": after, "summary":
 """
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
-                    reason="needs CPU affinity and two CPUs to keep apart")
+@TWO_CPUS
 def test_every_other_process_leaves_the_engines_cores_and_the_driver_gets_its_own_back():
     cpus = sorted(os.sched_getaffinity(0))
     done = subprocess.run([sys.executable, "-c", DRIVER], capture_output=True, text=True, timeout=120)
@@ -91,8 +95,7 @@ print(json.dumps({"narrowed": narrowed, "widened": widened, "summary": summary, 
 """
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
-                    reason="needs CPU affinity and two CPUs to keep apart")
+@TWO_CPUS
 def test_an_engine_that_gives_its_cpus_back_gets_every_process_widened_and_narrowed_again_when_it_reports():
     """An engine on demand reports its CPUs for vLLM's import, and none once imported with no
     work found: every process of the run is back on every CPU (one started meanwhile from a
