@@ -67,25 +67,41 @@ def command(tmp: Path, tiny_model: Path, *extra: str, slow_s: float = 9.0) -> li
     ]
 
 
-def engine_cores(driver: psutil.Process) -> list[psutil.Process]:
-    """The engine cores of this run's live engine actors (a core whose actor just died
-    may outlive it for a moment: not one of these)."""
-    cores = []
-    for p in driver.children(recursive=True):
-        try:
-            parent = p.parent()
-            if ("EngineCore" in p.name() or "EngineCore" in " ".join(p.cmdline())) and parent is not None \
-                    and "GenerateStage" in " ".join(parent.cmdline()):
-                cores.append(p)
-        except psutil.Error:
-            pass
-    return cores
+class EngineCores:
+    """The engine cores of one run's live engine actors, looked for among the driver's
+    descendants and among the processes of its Ray instance (found by its temp dir), so
+    that a Ray process reparented away from the driver still counts. A core whose actor
+    just died may outlive it for a moment: not one of these. Keeps what it last saw, so
+    that a wait that never finds one says what there was instead."""
 
+    def __init__(self, driver: psutil.Process, ray_tmp: str):
+        self.driver, self.ray_tmp = driver, ray_tmp
+        self.last_seen: list[str] = []
 
+    def __call__(self) -> list[psutil.Process]:
+        cores, seen = [], []
+        for p in run_processes(self.driver, self.ray_tmp):
+            try:
+                title = " ".join(p.cmdline()) or p.name()
+                seen.append(f"{p.pid} (parent {p.ppid()}): {title[:100]}")
+                parent = p.parent()
+                if "EngineCore" in title and parent is not None and "GenerateStage" in " ".join(parent.cmdline()):
+                    cores.append(p)
+            except psutil.Error:
+                pass
+        self.last_seen = seen or self.last_seen  # the run's processes while it had any
+        return cores
 
-
-
-
+    def fresh(self, killed: dict[str, int]) -> list[psutil.Process]:
+        """Cores that none of the `killed` pids is, or is the parent of."""
+        found = []
+        for c in self():
+            try:
+                if c.pid not in killed.values() and c.ppid() not in killed.values():
+                    found.append(c)
+            except psutil.Error:
+                pass
+        return found
 
 
 @pytest.fixture(scope="module")
@@ -119,12 +135,15 @@ def resumed(tiny_model, tmp_path_factory, ray_tmp) -> Iterator[Resumed]:
                              tmp / "resumed.log")
         runs.append((proc, driver))
         killed: dict[str, int] = {}
+        cores = EngineCores(driver, ray_tmp)
         for kind in ("actor", "core", "stop"):
             # An engine serving rows: a core none of the kills so far touched, and parts
             # committed since it was first seen (so its start-up is over).
-            fresh = wait_for(f"a fresh engine core to {kind}", lambda: [
-                c for c in engine_cores(driver) if c.pid not in killed.values() and c.ppid() not in killed.values()
-            ], proc)
+            try:
+                fresh = wait_for(f"a fresh engine core to {kind}", lambda: cores.fresh(killed), proc)
+            except AssertionError as e:
+                raise AssertionError(f"{e}\nkilled so far: {killed}; the run's processes last seen:\n"
+                                     + "\n".join(cores.last_seen)) from None
             core, base = fresh[0], committed_rows(tmp / "out")
             wait_for(f"rows committed by engine core {core.pid}", lambda: committed_rows(tmp / "out") > base, proc)
             started += run_processes(driver, ray_tmp)
