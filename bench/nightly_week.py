@@ -93,8 +93,9 @@ def main() -> None:
     nights, repeats = [], []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        # The model built into the cache first: on a fresh machine night 1 paid its build
-        # (8 s of a 32 s start-up, 2026-12-05), which no later night pays, in the bound.
+        # The model built into the cache first: on a fresh machine night 1 paid its build,
+        # which no later night pays, in the bound (2026-12-05, one Xeon: its first engine
+        # call at 31.7 s cold, 16.2 s with the model built; bench/README.md).
         warm_model(PROFILE, list(args.set), work)
         corpus = make_corpus(args.rows, seed=0)
         fresh = make_corpus(args.rows, seed=1)
