@@ -111,7 +111,10 @@ def committed_rows(out: Path) -> int:
     return total
 
 
-def wait_for(what: str, check: Callable[[], object], proc: subprocess.Popen, timeout_s: float = 240) -> object:
+def wait_for(what: str, check: Callable[[], object], proc: subprocess.Popen, timeout_s: float = 240,
+             explain: Callable[[], str] | None = None) -> object:
+    """`check()`'s first true answer, polled while the run lives; a failure says why, with
+    `explain()`'s account of what the check last saw where one is given."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         found = check()
@@ -119,9 +122,10 @@ def wait_for(what: str, check: Callable[[], object], proc: subprocess.Popen, tim
             return found
         if proc.poll() is not None:
             raise AssertionError(f"the run ended (exit {proc.returncode}) before {what}: "
-                                 f"{proc.log.read_text()[-4000:]}")  # type: ignore[attr-defined]
+                                 f"{proc.log.read_text()[-4000:]}"  # type: ignore[attr-defined]
+                                 + (f"\n{explain()}" if explain else ""))
         time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
+    raise AssertionError(f"timed out waiting for {what}" + (f"\n{explain()}" if explain else ""))
 
 
 def end_all(processes: list[psutil.Process]) -> None:

@@ -139,11 +139,9 @@ def resumed(tiny_model, tmp_path_factory, ray_tmp) -> Iterator[Resumed]:
         for kind in ("actor", "core", "stop"):
             # An engine serving rows: a core none of the kills so far touched, and parts
             # committed since it was first seen (so its start-up is over).
-            try:
-                fresh = wait_for(f"a fresh engine core to {kind}", lambda: cores.fresh(killed), proc)
-            except AssertionError as e:
-                raise AssertionError(f"{e}\nkilled so far: {killed}; the run's processes last seen:\n"
-                                     + "\n".join(cores.last_seen)) from None
+            fresh = wait_for(f"a fresh engine core to {kind}", lambda: cores.fresh(killed), proc,
+                             explain=lambda: f"killed so far: {killed}; the run's processes last seen:\n"
+                             + "\n".join(cores.last_seen))
             core, base = fresh[0], committed_rows(tmp / "out")
             wait_for(f"rows committed by engine core {core.pid}", lambda: committed_rows(tmp / "out") > base, proc)
             started += run_processes(driver, ray_tmp)
