@@ -43,9 +43,11 @@ MAX_NEW_TOKENS = 16
 PLACEMENT_TIMEOUT_S = 5  # hardware.placement_timeout_s for a pool that cannot be placed
 HEALTH_CHECKS = {"health_check_initial_delay_ms": 1000, "health_check_period_ms": 1000,
                  "health_check_failure_threshold": 3}
-# With those checks, a run whose worker node dies ends within this of the death: the node
-# noticed in about 4 s, its blocks served again by the engine left (docs/reliability.md).
-NODE_LOSS_BOUND_S = 180.0
+# With those checks, a run whose worker node dies never waits this long with no row
+# committed and no new engine building, from the death to its exit (docs/reliability.md).
+# A bound on the wait, not on the run's tail: the tail is the rows left and the new
+# engine's build, and on a loaded 2-core CI machine it was 204 s (35-43 s here).
+NODE_LOSS_STALL_BOUND_S = 90.0
 
 
 @pytest.fixture(scope="module")
@@ -350,24 +352,45 @@ def test_a_node_that_dies_mid_run_leaves_its_rows_to_the_engine_left(cluster, ti
                     victims += [p, *p.children(recursive=True)]
                 except psutil.Error:
                     pass
-        killed_at = time.monotonic()
+        killed_at = time.time()  # wall clock: the report's times are too
         end_processes(victims, grace_s=0)
-        proc.wait(timeout=300)
-        took = time.monotonic() - killed_at
+        commits = [(killed_at, at_kill)]  # (when, rows committed) at each new commit
+        while proc.poll() is None and time.time() < killed_at + 600:
+            done = committed_rows(out)
+            if done > commits[-1][1]:
+                commits.append((time.time(), done))
+            time.sleep(0.2)
+        ended_at = time.time()
+        assert proc.poll() is not None, f"the run still ran 600 s after the kill; commits {commits}"
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
     text = (tmp_path / "run.log").read_text()
     assert proc.returncode == 0, text[-3000:]
-    assert took < NODE_LOSS_BOUND_S, took  # the run went on: it did not wait on the dead node
     written = pq.read_table(out)
     assert Counter(written.column("id").to_pylist()) == Counter(pq.read_table(corpus).column("id").to_pylist())
     report = json.loads((out / "_report.json").read_text())
     lost = [i for i in report["incidents"] if i["kind"] == "node_lost"]
     assert [i["node"] for i in lost] == [worker.node_id], report["incidents"]
     assert lost[0]["rows"] >= 0 and lost[0]["address"] in lost[0]["cause"]
+    # The run went on: from the kill to its exit it never waited with nothing committed on
+    # the dead node, nor on Ray's timeouts for it, but only on a new engine's build (which
+    # is the model's load: minutes for a large one, and slow on a loaded CI machine).
+    restarted = {i["incarnation"] for i in report["incidents"] if i["kind"] == "restart"}
+    builds = [(a["born_at"], a["ready_at"]) for a in report["engine"]["actors"]
+              if a["actor"] in restarted and a.get("ready_at")]
+    times = [t for t, _ in commits] + [ended_at]
+    gaps = [(b - a - sum(max(0.0, min(b, ready) - max(a, born)) for born, ready in builds), a - killed_at, b - a)
+            for a, b in zip(times, times[1:])]
+    stall, stall_from, stall_whole = max(gaps)
+    assert stall < NODE_LOSS_STALL_BOUND_S, (
+        f"{stall:.1f} s with no row committed and no engine building, {stall_from:.1f} s after the kill "
+        f"({stall_whole:.1f} s in all); new engines built (born, ready) {builds}; "
+        f"commits (when, rows) {commits}; the run ended {ended_at - killed_at:.1f} s after the kill")
     engines = [(a["node"][:8], a.get("rows")) for a in report["engine"]["actors"]]
     print(f"node lost at {at_kill} of {rows} rows committed; it held {lost[0]['rows']} rows in "
-          f"{lost[0]['blocks']} blocks; the run ended {took:.1f} s after the kill; engines (node, rows) {engines}; "
+          f"{lost[0]['blocks']} blocks; the run ended {ended_at - killed_at:.1f} s after the kill; its longest "
+          f"wait not on a new engine's build {stall:.1f} s, from {stall_from:.1f} s after it ({stall_whole:.1f} s "
+          f"in all); engines (node, rows) {engines}; "
           f"incidents {[(i['kind'], i.get('rows')) for i in report['incidents']]}")
