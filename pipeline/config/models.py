@@ -505,9 +505,12 @@ class BatchingConfig(_Section):
         0.90, ge=0.5, le=0.98,
         description="Memory pressure the adaptive policy aims for, and where `pipeline tune` stops.",
     )
-    feed: Literal["continuous", "drain"] = Field(
-        "continuous",
-        description="continuous: admit rows as others finish; drain: classic batches, each run to its last row.",
+    feed: Literal["mixed", "continuous", "drain"] = Field(
+        "mixed",
+        description="mixed: admit rows as others finish, a row at a time across the blocks an engine serves "
+        "at once, so a long bucket's prompts reach the engine spread among short ones' decodes (each engine "
+        "call still holds one bucket); continuous: the same, one block's rows after another's, the bucket the "
+        "engine runs first; drain: classic batches, each run to its last row.",
     )
     prepare_batch_rows: int = Field(
         1024, gt=0,

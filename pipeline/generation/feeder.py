@@ -20,9 +20,13 @@ retried in halves (bisection) until the culprit runs alone. A row that fails
 alone gets an error; no row is ever dropped.
 
 Several calls may be open at once, from several threads (the generate stage
-runs a few Ray Data batches per actor at a time). They share the engine
-oldest first: the next call's rows take the room the last wave of the one
-before leaves, so a block boundary, or a bucket boundary, costs no drain.
+runs a few Ray Data batches per actor at a time). Fed `mixed` (the job's
+default), rows go in a row at a time across them, the call furthest behind
+in the share of its rows admitted first, so a long bucket's prompts reach
+the engine spread among short ones; fed `continuous`, one call's rows after
+another's, the bucket the engine runs first. Either way the next call's rows
+take the room the last wave of the others leaves, so a block boundary, or a
+bucket boundary, costs no drain.
 Each call (`serve`) is a `_Call` with its own rows, window and record;
 admission, one engine step, recovery and completions are the feeder's
 separate methods, and the loop in `_drive` reads as those steps in order.
@@ -330,9 +334,12 @@ class EngineFeeder:
             c.begin()
         idle = not self.in_flight
         bisecting = [c for c in calls if c.suspects][:1]
-        for c in bisecting or self._bucket_first(calls):
-            if not c.admit():
-                break  # its next row does not fit: later calls wait their turn
+        if self.feed == "mixed" and not bisecting:
+            self._admit_mixed(self._bucket_first(calls))
+        else:
+            for c in bisecting or self._bucket_first(calls):
+                if not c.admit():
+                    break  # its next row does not fit: later calls wait their turn
         if idle:
             self._mark = time.monotonic()  # busy from the first row in, not from the last call out
         for c in calls:
@@ -341,6 +348,18 @@ class EngineFeeder:
             # and its own window measures them), so the policy does not learn from it.
             if not c.queue and c.in_flight < c.max_rows and c.window is not None:
                 c.window.drained = True
+
+    def _admit_mixed(self, calls: list[_Call]) -> None:
+        """A row at a time across the open calls, the call furthest behind in the share of
+        its rows admitted first: a long bucket's rows reach the engine's queue spread among
+        short ones (as a corpus in its own order would), not as a burst of prefills."""
+        limits = {c: c.limits() for c in calls if c.queue}
+        while limits:
+            c = min(limits, key=lambda c: (c.rows - len(c.queue)) / c.rows)
+            if not c.admit_next(*limits[c]) and c.queue:
+                break  # its next row does not fit: the others wait their turn
+            if not c.queue:
+                del limits[c]
 
     def _bucket_first(self, calls: list[_Call]) -> list[_Call]:
         """The open calls in admission order: the bucket the engine is running first (its
@@ -544,29 +563,44 @@ class _Call:
     def admit(self) -> bool:
         """Submit rows while the budget allows (always at least one in flight). True when
         none of this call's rows is left waiting."""
+        budget, cap = self.limits()
+        while self.admit_next(budget, cap):
+            pass
+        return not self.queue
+
+    def limits(self) -> tuple[float, int]:
+        """The token budget and the cap on rows in flight (every call's) for this call's
+        next rows, from the policy now."""
         feeder = self.feeder
         policy, engine = feeder.policy, feeder.engine
         budget = policy.budget(self.bucket, self.tokens_per_row)
         self.max_rows = policy.rows_for(self.bucket, self.tokens_per_row)
         if self.suspects:  # bisecting a failed step: at most half the last failing group
             self.max_rows = min(self.max_rows, self.isolate)
-        admit = feeder.feed == "continuous" or not feeder.in_flight
         # The engine runs at most max_num_seqs requests at once and queues the rest
         # itself. When that limit, not the policy's token budget, is what binds, keep
         # its queue stocked with up to as many again: a wave of completions is then
         # replaced inside the engine at once, instead of after a round trip through
         # this process (the core idled for it: 0.73 of raw vLLM's tokens/s at 4k rows).
         cap = self.max_rows
-        if (admit and not self.suspects and self.max_rows >= engine.max_num_seqs and feeder.feed == "continuous"
+        if feeder.feed == "drain" and feeder.in_flight:
+            cap = 0  # a drained batch takes no row until its last one is done
+        elif (not self.suspects and self.max_rows >= engine.max_num_seqs and feeder.feed != "drain"
                 and feeder.stock_engine_queue):
             cap = self.max_rows + engine.max_num_seqs
-        while admit and self.queue and len(feeder.in_flight) < cap and (
-            not feeder.in_flight or feeder.admission_cost(self.queue[0]) <= budget
-        ):
-            if self.window is None:
-                self.window = feeder.open_window(self.bucket, self.tokens_per_row)
-            self._submit(self.queue.popleft())
-        return not self.queue
+        return budget, cap
+
+    def admit_next(self, budget: float, cap: int) -> bool:
+        """Submit this call's next row if it fits `budget` and `cap`; whether it went in."""
+        feeder = self.feeder
+        if not self.queue or len(feeder.in_flight) >= cap:
+            return False
+        if feeder.in_flight and feeder.admission_cost(self.queue[0]) > budget:
+            return False
+        if self.window is None:
+            self.window = feeder.open_window(self.bucket, self.tokens_per_row)
+        self._submit(self.queue.popleft())
+        return True
 
     def _submit(self, r: Request) -> None:
         now = time.monotonic()

@@ -377,3 +377,39 @@ def test_open_calls_of_the_running_bucket_go_first():
     first_long = next(k for k, (ids, _) in enumerate(engine.submitted) if len(ids) == 200)
     assert all(len(ids) == 96 for ids, _ in engine.submitted[:first_long])
     assert first_long == 32  # both le128 calls were admitted before any le256 row
+
+
+def test_a_mixed_feed_spreads_a_long_buckets_rows_among_the_short_ones():
+    """The same three calls fed `mixed`: rows go in a row at a time, the call furthest
+    behind in its share first, so the le256 rows reach the engine one between every two
+    le128 rows instead of as a burst; each call still gets only its rows."""
+    import threading
+    import time
+
+    engine = SlowEngine()
+    feeder = EngineFeeder(engine, FixedBatchPolicy(8), feed="mixed")
+    gate = threading.Event()
+    original = engine.step
+
+    def step():
+        gate.wait(5)  # hold the first step until all three calls are open
+        return original()
+
+    engine.step = step
+    order = [("le128", [(i, [1] * 96) for i in range(16)]), ("le256", [(100 + i, [2] * 200) for i in range(16)]),
+             ("le128", [(200 + i, [1] * 96) for i in range(16)])]
+    threads, results = [], {}
+    for k, (bucket, batch) in enumerate(order):
+        threads.append(threading.Thread(target=lambda k=k, b=bucket, r=batch: results.__setitem__(
+            k, feeder.serve(b, r, SAMPLING))))
+        threads[-1].start()
+        time.sleep(0.1)
+    gate.set()
+    for t in threads:
+        t.join(timeout=30)
+    lengths = [len(ids) for ids, _ in engine.submitted]
+    assert lengths.count(200) == 16 and lengths.count(96) == 32
+    longest_run = max(len(run) for run in "".join("L" if n == 200 else "s" for n in lengths).split("s"))
+    assert longest_run == 1  # never two long rows in a row
+    assert [sorted(results[k].completions) for k in range(3)] == [[p for p, _ in batch] for _, batch in order]
+    assert engine.max_seen <= 8
