@@ -21,9 +21,9 @@ alone gets an error; no row is ever dropped.
 
 Several calls may be open at once, from several threads (the generate stage
 runs a few Ray Data batches per actor at a time). Fed `mixed` (the job's
-default), rows go in a row at a time across them, the call furthest behind
-in the share of its rows admitted first, so a long bucket's prompts reach
-the engine spread among short ones; fed `continuous`, one call's rows after
+default), rows go in a row at a time across them, each call's spread over
+the admissions of `mix_span` calls and the oldest ending first, so a long
+bucket's prompts reach the engine spread among short ones; fed `continuous`, one call's rows after
 another's, the bucket the engine runs first. Either way the next call's rows
 take the room the last wave of the others leaves, so a block boundary, or a
 bucket boundary, costs no drain.
@@ -43,6 +43,11 @@ from typing import Any
 from pipeline.generation.engine import Completion, Engine, EngineCrashed, EngineDead, PaddingTotals, Sampling, is_oom
 from pipeline.generation.memory import MemoryProbe
 from pipeline.generation.policy.base import BatchPolicy, Observation
+
+
+# Fed `mixed`, each call's rows are spread over the admissions of this many calls: the
+# blocks an engine actor serves at once by default (`batching.concurrent_batches`).
+MIX_SPAN = 8.0
 
 
 class CallOutOfMemory(RuntimeError):
@@ -215,10 +220,12 @@ class EngineFeeder:
     each. Each call still sees only its own rows: an engine call stays bucket-pure."""
 
     def __init__(self, engine: Engine, policy: BatchPolicy, feed: str = "continuous",
-                 faults: FaultInjector | None = None, stock_engine_queue: bool = True, stop_on_oom: bool = False):
+                 faults: FaultInjector | None = None, stock_engine_queue: bool = True, stop_on_oom: bool = False,
+                 mix_span: float = MIX_SPAN):
         self.engine = engine
         self.policy = policy
         self.feed = feed
+        self.mix_span = mix_span
         # Measuring wants exactly the policy's rows in flight, and an OOM as a result.
         self.stock_engine_queue = stock_engine_queue
         self.stop_on_oom = stop_on_oom
@@ -227,6 +234,7 @@ class EngineFeeder:
         self.totals = FeederTotals()
         self._cv = threading.Condition()
         self._calls: list[_Call] = []  # open calls, oldest first
+        self._opened = 0  # calls opened so far: each call's place in the mixed feed's order
         self._driving = False
         self._serving_since: float | None = None
         self.in_flight = InFlight()  # shared by the open calls: what the engine is running
@@ -270,6 +278,8 @@ class EngineFeeder:
         with self._cv:
             if not self._calls:
                 self._serving_since = time.monotonic()
+            call.seq = self._opened
+            self._opened += 1
             self._calls.append(call)
             while not call.done and self._driving:
                 self._cv.wait()
@@ -350,12 +360,17 @@ class EngineFeeder:
                 c.window.drained = True
 
     def _admit_mixed(self, calls: list[_Call]) -> None:
-        """A row at a time across the open calls, the call furthest behind in the share of
-        its rows admitted first: a long bucket's rows reach the engine's queue spread among
-        short ones (as a corpus in its own order would), not as a burst of prefills."""
+        """A row at a time across the open calls, so a long bucket's rows reach the engine's
+        queue spread among short ones (as a corpus in its own order would), not as a burst
+        of prefills. Row `i` of the `k`-th call opened goes in at `k + mix_span * i / rows`,
+        earliest first: each call's rows are spread over the span of `mix_span` calls, and
+        the oldest still finishes first, so the calls end one after another and Ray Data's
+        next blocks arrive as the engine has room (spread by each call's share alone, the
+        open calls ended together and the engine waited for the next: busy 0.968 against
+        0.997 at 4,000 rows)."""
         limits = {c: c.limits() for c in calls if c.queue}
         while limits:
-            c = min(limits, key=lambda c: (c.rows - len(c.queue)) / c.rows)
+            c = min(limits, key=lambda c: c.seq + self.mix_span * (c.rows - len(c.queue)) / c.rows)
             if not c.admit_next(*limits[c]) and c.queue:
                 break  # its next row does not fit: the others wait their turn
             if not c.queue:
@@ -524,6 +539,7 @@ class _Call:
     def __init__(self, feeder: EngineFeeder, bucket: str, rows: list[tuple[int, list[int]]], sampling: Sampling):
         self.feeder, self.bucket, self.sampling = feeder, bucket, sampling
         self.rows = len(rows)
+        self.seq = 0  # its place among the feeder's calls, oldest first (set as it opens)
         self.queue: deque[Request] = deque(
             Request(pos, ids, len(ids) + sampling.max_new_tokens) for pos, ids in rows)
         self.tokens_per_row = sum(r.cost for r in self.queue) / max(len(self.queue), 1)

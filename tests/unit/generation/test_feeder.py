@@ -380,14 +380,15 @@ def test_open_calls_of_the_running_bucket_go_first():
 
 
 def test_a_mixed_feed_spreads_a_long_buckets_rows_among_the_short_ones():
-    """The same three calls fed `mixed`: rows go in a row at a time, the call furthest
-    behind in its share first, so the le256 rows reach the engine one between every two
-    le128 rows instead of as a burst; each call still gets only its rows."""
+    """The same three calls fed `mixed` over a span of 2 calls: rows go in a row at a time,
+    row i of the k-th call opened at k + 2i/rows, so the le256 rows reach the engine one
+    between two le128 rows instead of as a burst, the oldest call's rows all go in before
+    the youngest's begin, and each call still gets only its rows."""
     import threading
     import time
 
     engine = SlowEngine()
-    feeder = EngineFeeder(engine, FixedBatchPolicy(8), feed="mixed")
+    feeder = EngineFeeder(engine, FixedBatchPolicy(8), feed="mixed", mix_span=2)
     gate = threading.Event()
     original = engine.step
 
@@ -397,7 +398,7 @@ def test_a_mixed_feed_spreads_a_long_buckets_rows_among_the_short_ones():
 
     engine.step = step
     order = [("le128", [(i, [1] * 96) for i in range(16)]), ("le256", [(100 + i, [2] * 200) for i in range(16)]),
-             ("le128", [(200 + i, [1] * 96) for i in range(16)])]
+             ("le128", [(200 + i, [3] * 96) for i in range(16)])]
     threads, results = [], {}
     for k, (bucket, batch) in enumerate(order):
         threads.append(threading.Thread(target=lambda k=k, b=bucket, r=batch: results.__setitem__(
@@ -411,5 +412,7 @@ def test_a_mixed_feed_spreads_a_long_buckets_rows_among_the_short_ones():
     assert lengths.count(200) == 16 and lengths.count(96) == 32
     longest_run = max(len(run) for run in "".join("L" if n == 200 else "s" for n in lengths).split("s"))
     assert longest_run == 1  # never two long rows in a row
+    calls = [ids[0] for ids, _ in engine.submitted]  # 1, 2, 3: the oldest call's rows, the long, the youngest's
+    assert max(k for k, c in enumerate(calls) if c == 1) < calls.index(3)
     assert [sorted(results[k].completions) for k in range(3)] == [[p for p, _ in batch] for _, batch in order]
     assert engine.max_seen <= 8
