@@ -23,10 +23,10 @@ Several calls may be open at once, from several threads (the generate stage
 runs a few Ray Data batches per actor at a time). Fed `mixed` (the job's
 default), rows go in a row at a time across them, each call's spread over
 the admissions of `mix_span` calls and the oldest ending first, so a long
-bucket's prompts reach the engine spread among short ones; fed `continuous`, one call's rows after
-another's, the bucket the engine runs first. Either way the next call's rows
-take the room the last wave of the others leaves, so a block boundary, or a
-bucket boundary, costs no drain.
+bucket's prompts reach the engine spread among short ones; fed
+`continuous`, one call's rows after another's, the bucket the engine runs
+first. Either way the next call's rows take the room the last wave of the
+others leaves, so a block boundary, or a bucket boundary, costs no drain.
 Each call (`serve`) is a `_Call` with its own rows, window and record;
 admission, one engine step, recovery and completions are the feeder's
 separate methods, and the loop in `_drive` reads as those steps in order.
@@ -213,11 +213,11 @@ class ServeResult:
 class EngineFeeder:
     """Keeps one engine fed. `serve` may be called from several threads at once (the
     generate stage runs a few Ray Data batches per actor concurrently): the calls share
-    the engine, oldest first, and one calling thread at a time drives it. When the
-    oldest call has admitted its last row, the next call's rows fill the room its
-    finishing rows leave, so consecutive blocks of a bucket, and the first rows of the
-    next bucket, keep the engine full instead of costing a drain and a part-full start
-    each. Each call still sees only its own rows: an engine call stays bucket-pure."""
+    the engine (`feed`: how, see the module's docstring), and one calling thread at a
+    time drives it. The next call's rows fill the room the finishing rows leave, so
+    consecutive blocks of a bucket, and the first rows of the next bucket, keep the
+    engine full instead of costing a drain and a part-full start each. Each call still
+    sees only its own rows: an engine call stays bucket-pure."""
 
     def __init__(self, engine: Engine, policy: BatchPolicy, feed: str = "continuous",
                  faults: FaultInjector | None = None, stock_engine_queue: bool = True, stop_on_oom: bool = False,
