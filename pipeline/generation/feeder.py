@@ -46,7 +46,8 @@ from pipeline.generation.policy.base import BatchPolicy, Observation
 
 
 # Fed `mixed`, each call's rows are spread over the admissions of this many calls: the
-# blocks an engine actor serves at once by default (`batching.concurrent_batches`).
+# blocks an engine actor serves at once (`batching.concurrent_batches`, 8 by default; the
+# job passes its own).
 MIX_SPAN = 8.0
 
 
@@ -371,7 +372,7 @@ class EngineFeeder:
         limits = {c: c.limits() for c in calls if c.queue}
         while limits:
             c = min(limits, key=lambda c: c.seq + self.mix_span * (c.rows - len(c.queue)) / c.rows)
-            if not c.admit_next(*limits[c]) and c.queue:
+            if not c.admit_next(*limits[c], mixed=True) and c.queue:
                 break  # its next row does not fit: the others wait their turn
             if not c.queue:
                 del limits[c]
@@ -606,10 +607,15 @@ class _Call:
             cap = self.max_rows + engine.max_num_seqs
         return budget, cap
 
-    def admit_next(self, budget: float, cap: int) -> bool:
-        """Submit this call's next row if it fits `budget` and `cap`; whether it went in."""
+    def admit_next(self, budget: float, cap: int, mixed: bool = False) -> bool:
+        """Submit this call's next row if it fits `budget` and `cap`; whether it went in.
+        `mixed`: the rows in flight are of several buckets, and count against `cap` as
+        rows of this call's bucket, by their tokens: a long bucket's cap, a few rows of
+        its own, would otherwise hold back every bucket's (the engine at a long bucket's
+        row count, far under the budget, whenever a long row was next)."""
         feeder = self.feeder
-        if not self.queue or len(feeder.in_flight) >= cap:
+        held = feeder.in_flight.cost / self.tokens_per_row if mixed else len(feeder.in_flight)
+        if not self.queue or held >= cap:
             return False
         if feeder.in_flight and feeder.admission_cost(self.queue[0]) > budget:
             return False

@@ -272,6 +272,7 @@ def generate_settings(config: RunConfig, prepare: PrepareSettings, run_id: str,
         policy=batching.policy,
         memory_target=batching.memory_target,
         feed=profile.feed(),
+        mix_span=float(batching.concurrent_batches),
         grouping=profile.bucketing.grouping,
         merge_identical_prompts=batching.merge_identical_prompts,
         annotations=None if annotations is None else AnnotationSettings(

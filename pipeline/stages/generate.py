@@ -142,6 +142,7 @@ class GenerateSettings:
     policy: BatchPolicyConfig = AdaptivePolicy()
     memory_target: float = 0.90
     feed: str = "continuous"
+    mix_span: float = 8.0  # fed `mixed`: the blocks each call's rows spread over (batching.concurrent_batches)
     grouping: str = "global"
     merge_identical_prompts: bool = True
     result_key_base: str | None = None  # the run's share of each row's result key; None: no keys
@@ -347,7 +348,7 @@ class GenerateStage:
             self.life.start_failed(e)
             raise
         self.policy = make_policy(settings, built, self._learned)
-        self.feeder = EngineFeeder(built, self.policy, feed=settings.feed,
+        self.feeder = EngineFeeder(built, self.policy, feed=settings.feed, mix_span=settings.mix_span,
                                    faults=FaultInjector(then=settings.inject_faults))
         self.calls = EngineCalls(self.feeder, self.actor, self.actor_totals, self.engine_info,
                                  IdenticalPrompts() if settings.merge_identical_prompts else None)

@@ -405,6 +405,9 @@ def test_a_mixed_feed_spreads_a_long_buckets_rows_among_the_short_ones():
             k, feeder.serve(b, r, SAMPLING))))
         threads[-1].start()
         time.sleep(0.1)
+    deadline = time.monotonic() + 5
+    while len(feeder.open_calls()) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)  # all three open before the first step ends, however loaded the machine
     gate.set()
     for t in threads:
         t.join(timeout=30)
@@ -416,3 +419,64 @@ def test_a_mixed_feed_spreads_a_long_buckets_rows_among_the_short_ones():
     assert max(k for k, c in enumerate(calls) if c == 1) < calls.index(3)
     assert [sorted(results[k].completions) for k in range(3)] == [[p for p, _ in batch] for _, batch in order]
     assert engine.max_seen <= 8
+
+
+class TokenBudget(FixedBatchPolicy):
+    """A budget of 10,000 tokens for every bucket, and its rows as many as fit: a long
+    bucket's row cap is a few rows, a short one's a hundred."""
+
+    def budget(self, bucket, tokens_per_row):
+        return 10_000
+
+    def rows_for(self, bucket, tokens_per_row):
+        return max(1, int(10_000 // tokens_per_row))
+
+
+class CountingEngine(FakeEngine):
+    """Records, per step, the rows running and whether a long one is among them."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.per_step: list[tuple[int, bool]] = []
+
+    def step(self):
+        time.sleep(0.001)
+        self.per_step.append((len(self.live), any(len(ids) > 500 for _, _, ids, _ in self.live.values())))
+        return super().step()
+
+
+def test_a_mixed_feed_counts_the_rows_in_flight_by_their_tokens_against_a_long_buckets_cap():
+    """Fed `mixed`, a long bucket's row cap (9 rows of 1,004 tokens) is not a cap on every
+    bucket's rows: the rows in flight count against it by their tokens, so short rows
+    keep the engine near its 10,000-token budget while long ones are in it (counted as
+    rows, it stopped at the long bucket's few and held about 40 rows, 4,000 tokens)."""
+    import threading
+
+    engine = CountingEngine(capacity_tokens=20_000)
+    feeder = EngineFeeder(engine, TokenBudget(1), feed="mixed")
+    gate = threading.Event()
+    original = engine.step
+
+    def step():
+        gate.wait(5)
+        return original()
+
+    engine.step = step
+    short = [(i, [1] * 96) for i in range(300)]
+    long = [(1000 + i, [2] * 1000) for i in range(9)]
+    results = {}
+    threads = [threading.Thread(target=lambda b=b, r=r: results.__setitem__(b, feeder.serve(b, r, SAMPLING)))
+               for b, r in (("le128", short), ("le1024", long))]
+    for t in threads:
+        t.start()
+        time.sleep(0.1)
+    deadline = time.monotonic() + 5
+    while len(feeder.open_calls()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    gate.set()
+    for t in threads:
+        t.join(timeout=30)
+    assert sorted(results["le128"].completions) == list(range(300))
+    assert sorted(results["le1024"].completions) == list(range(1000, 1009))
+    with_long = [n for n, has_long in engine.per_step if has_long]
+    assert with_long and max(with_long) >= 60, engine.per_step

@@ -165,3 +165,14 @@ def test_a_cpu_runs_engine_gets_the_sized_kv_cache_and_a_gpu_runs_does_not(tiny_
         assert ("kv_cache_memory_bytes" in kwargs) == sized, profile
         if sized:
             assert kwargs["kv_cache_memory_bytes"] == 257 * 4096 * 512
+
+
+def test_the_engine_is_fed_mixed_over_the_blocks_it_serves_at_once_and_transformers_drains():
+    """The job's default feed is `mixed`, its rows spread over as many blocks as an engine
+    actor serves at once; the transformers backend's static batches always drain."""
+    from pipeline.run.plan import generate_settings, prepare_settings
+
+    config = load_run_config(JOB, LOCAL, ["batching.concurrent_batches=4"])
+    settings = generate_settings(config, prepare_settings(config, "m", 2048), "run")
+    assert settings.feed == "mixed" and settings.mix_span == 4.0
+    assert load_run_config(JOB, LOCAL, ["engine.backend=transformers", "engine.memory_budget_gib=2"]).profile.feed() == "drain"
