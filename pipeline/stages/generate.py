@@ -53,7 +53,7 @@ from pipeline.text.bucketing import LengthBucketer
 from pipeline.config import AdaptivePolicy, FixedPolicy, TunedPolicy
 from pipeline.config.models import BatchPolicyConfig
 from pipeline.generation.engine import Completion, Engine, EngineCrashed, Sampling
-from pipeline.generation.feeder import EngineFeeder, FaultInjector
+from pipeline.generation.feeder import MIX_SPAN, EngineFeeder, FaultInjector
 from pipeline.generation.merge import IdenticalPrompts
 from pipeline.generation.result_key import keys_of_rows
 from pipeline.generation.policy import (BatchPolicy, BatchSizeController, ControllerSettings, FixedBatchPolicy,
@@ -142,7 +142,7 @@ class GenerateSettings:
     policy: BatchPolicyConfig = AdaptivePolicy()
     memory_target: float = 0.90
     feed: str = "continuous"
-    mix_span: float = 8.0  # fed `mixed`: the blocks each call's rows spread over (batching.concurrent_batches)
+    mix_span: float = MIX_SPAN  # fed `mixed`: the blocks each call's rows spread over (batching.concurrent_batches)
     grouping: str = "global"
     merge_identical_prompts: bool = True
     result_key_base: str | None = None  # the run's share of each row's result key; None: no keys

@@ -225,12 +225,22 @@ class SlowEngine(FakeEngine):
         return super().step()
 
 
-def serve_together(feeder, calls):
+def serve_together(feeder, calls, in_order=False):
     """Each (bucket, rows) served from its own thread, the way Ray Data runs an actor's
-    concurrent batches; the results in the order given."""
+    concurrent batches; the results in the order given. `in_order`: the calls open one
+    after another, in the order given, and the engine's first step waits until all are
+    open, however loaded the machine."""
     import threading
 
     results, errors = [None] * len(calls), []
+    gate, engine = threading.Event(), feeder.engine
+    step = engine.step
+    if in_order:
+        def held_step():
+            gate.wait(5)
+            return step()
+
+        engine.step = held_step
 
     def run(k, bucket, batch):
         try:
@@ -241,8 +251,15 @@ def serve_together(feeder, calls):
     threads = [threading.Thread(target=run, args=(k, b, r)) for k, (b, r) in enumerate(calls)]
     for t in threads:
         t.start()
+        if in_order:
+            time.sleep(0.1)
+    deadline = time.monotonic() + 5
+    while in_order and len(feeder.open_calls()) < len(calls) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    gate.set()
     for t in threads:
         t.join(timeout=30)
+    engine.step = step
     assert not errors and all(r is not None for r in results)
     return results
 
@@ -351,29 +368,11 @@ def test_time_between_calls_is_not_busy_time():
 def test_open_calls_of_the_running_bucket_go_first():
     """Blocks of two buckets open at once, in the order le128, le256, le128: the engine
     finishes admitting le128 (both of its calls) before it switches to le256."""
-    import threading
-    import time
-
     engine = SlowEngine()
     feeder = EngineFeeder(engine, FixedBatchPolicy(8))
-    gate = threading.Event()
-    original = engine.step
-
-    def step():
-        gate.wait(5)  # hold the first step until all three calls are open
-        return original()
-
-    engine.step = step
     order = [("le128", [(i, [1] * 96) for i in range(16)]), ("le256", [(100 + i, [2] * 200) for i in range(16)]),
              ("le128", [(200 + i, [1] * 96) for i in range(16)])]
-    threads = []
-    for bucket, batch in order:  # opened one after another, in this order
-        threads.append(threading.Thread(target=feeder.serve, args=(bucket, batch, SAMPLING)))
-        threads[-1].start()
-        time.sleep(0.1)
-    gate.set()
-    for t in threads:
-        t.join(timeout=30)
+    serve_together(feeder, order, in_order=True)
     first_long = next(k for k, (ids, _) in enumerate(engine.submitted) if len(ids) == 200)
     assert all(len(ids) == 96 for ids, _ in engine.submitted[:first_long])
     assert first_long == 32  # both le128 calls were admitted before any le256 row
@@ -384,33 +383,11 @@ def test_a_mixed_feed_spreads_a_long_buckets_rows_among_the_short_ones():
     row i of the k-th call opened at k + 2i/rows, so the le256 rows reach the engine one
     between two le128 rows instead of as a burst, the oldest call's rows all go in before
     the youngest's begin, and each call still gets only its rows."""
-    import threading
-    import time
-
     engine = SlowEngine()
     feeder = EngineFeeder(engine, FixedBatchPolicy(8), feed="mixed", mix_span=2)
-    gate = threading.Event()
-    original = engine.step
-
-    def step():
-        gate.wait(5)  # hold the first step until all three calls are open
-        return original()
-
-    engine.step = step
     order = [("le128", [(i, [1] * 96) for i in range(16)]), ("le256", [(100 + i, [2] * 200) for i in range(16)]),
              ("le128", [(200 + i, [3] * 96) for i in range(16)])]
-    threads, results = [], {}
-    for k, (bucket, batch) in enumerate(order):
-        threads.append(threading.Thread(target=lambda k=k, b=bucket, r=batch: results.__setitem__(
-            k, feeder.serve(b, r, SAMPLING))))
-        threads[-1].start()
-        time.sleep(0.1)
-    deadline = time.monotonic() + 5
-    while len(feeder.open_calls()) < 3 and time.monotonic() < deadline:
-        time.sleep(0.01)  # all three open before the first step ends, however loaded the machine
-    gate.set()
-    for t in threads:
-        t.join(timeout=30)
+    results = serve_together(feeder, order, in_order=True)
     lengths = [len(ids) for ids, _ in engine.submitted]
     assert lengths.count(200) == 16 and lengths.count(96) == 32
     longest_run = max(len(run) for run in "".join("L" if n == 200 else "s" for n in lengths).split("s"))
@@ -450,33 +427,12 @@ def test_a_mixed_feed_counts_the_rows_in_flight_by_their_tokens_against_a_long_b
     bucket's rows: the rows in flight count against it by their tokens, so short rows
     keep the engine near its 10,000-token budget while long ones are in it (counted as
     rows, it stopped at the long bucket's few and held about 40 rows, 4,000 tokens)."""
-    import threading
-
     engine = CountingEngine(capacity_tokens=20_000)
     feeder = EngineFeeder(engine, TokenBudget(1), feed="mixed")
-    gate = threading.Event()
-    original = engine.step
-
-    def step():
-        gate.wait(5)
-        return original()
-
-    engine.step = step
     short = [(i, [1] * 96) for i in range(300)]
     long = [(1000 + i, [2] * 1000) for i in range(9)]
-    results = {}
-    threads = [threading.Thread(target=lambda b=b, r=r: results.__setitem__(b, feeder.serve(b, r, SAMPLING)))
-               for b, r in (("le128", short), ("le1024", long))]
-    for t in threads:
-        t.start()
-        time.sleep(0.1)
-    deadline = time.monotonic() + 5
-    while len(feeder.open_calls()) < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    gate.set()
-    for t in threads:
-        t.join(timeout=30)
-    assert sorted(results["le128"].completions) == list(range(300))
-    assert sorted(results["le1024"].completions) == list(range(1000, 1009))
+    a, b = serve_together(feeder, [("le128", short), ("le1024", long)], in_order=True)
+    assert sorted(a.completions) == list(range(300))
+    assert sorted(b.completions) == list(range(1000, 1009))
     with_long = [n for n, has_long in engine.per_step if has_long]
     assert with_long and max(with_long) >= 60, engine.per_step
