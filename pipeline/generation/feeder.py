@@ -368,14 +368,28 @@ class EngineFeeder:
         the oldest still finishes first, so the calls end one after another and Ray Data's
         next blocks arrive as the engine has room (spread by each call's share alone, the
         open calls ended together and the engine waited for the next: busy 0.968 against
-        0.997 at 4,000 rows)."""
-        limits = {c: c.limits() for c in calls if c.queue}
-        while limits:
-            c = min(limits, key=lambda c: c.seq + self.mix_span * (c.rows - len(c.queue)) / c.rows)
-            if not c.admit_next(*limits[c], mixed=True) and c.queue:
+        0.997 at 4,000 rows).
+
+        Each row in flight takes `1 / cap` of the engine, `cap` being its own call's row cap
+        (what its bucket may have in flight alone), and a row goes in while the shares sum
+        to at most 1; its tokens count against its own bucket's budget. So rows of equal
+        caps count as rows, and a long bucket's few rows and a short one's many share the
+        engine by what each could hold alone. (Counted as rows against the next row's cap,
+        a long bucket's cap of a few rows held the engine there; counted as tokens in rows
+        of the next row's bucket, a few long rows in flight filled a short bucket's cap of
+        512 rows at 196 running and none waiting: bench/README.md, engine steps.)"""
+        limits = {c: c.limits() for c in calls if c.queue or c.in_flight}
+        share = sum(c.in_flight / cap for c, (_, cap) in limits.items() if cap > 0)
+        queued = {c: limit for c, limit in limits.items() if c.queue}
+        while queued:
+            c = min(queued, key=lambda c: c.seq + self.mix_span * (c.rows - len(c.queue)) / c.rows)
+            budget, cap = queued[c]
+            held = len(self.in_flight)
+            if not c.admit_next(budget, cap, share=share) and c.queue:
                 break  # its next row does not fit: the others wait their turn
+            share += (len(self.in_flight) - held) / cap
             if not c.queue:
-                del limits[c]
+                del queued[c]
 
     def _bucket_first(self, calls: list[_Call]) -> list[_Call]:
         """The open calls in admission order: the bucket the engine is running first (its
@@ -607,15 +621,15 @@ class _Call:
             cap = self.max_rows + engine.max_num_seqs
         return budget, cap
 
-    def admit_next(self, budget: float, cap: int, mixed: bool = False) -> bool:
+    def admit_next(self, budget: float, cap: int, share: float | None = None) -> bool:
         """Submit this call's next row if it fits `budget` and `cap`; whether it went in.
-        `mixed`: the rows in flight are of several buckets, and count against `cap` as
-        rows of this call's bucket, by their tokens: a long bucket's cap, a few rows of
-        its own, would otherwise hold back every bucket's (the engine at a long bucket's
-        row count, far under the budget, whenever a long row was next)."""
+        `share`: fed mixed, the share of the engine the rows in flight take, each `1 / cap`
+        of its own call's cap (`EngineFeeder._admit_mixed`); this row goes in while its own
+        `1 / cap` fits beside them. Otherwise the rows in flight count against `cap`."""
         feeder = self.feeder
-        held = feeder.in_flight.cost / self.tokens_per_row if mixed else len(feeder.in_flight)
-        if not self.queue or held >= cap:
+        if not self.queue or cap <= 0:
+            return False
+        if (share + 1 / cap > 1 + 1e-9) if share is not None else len(feeder.in_flight) >= cap:
             return False
         if feeder.in_flight and feeder.admission_cost(self.queue[0]) > budget:
             return False
