@@ -422,11 +422,12 @@ class CountingEngine(FakeEngine):
         return super().step()
 
 
-def test_a_mixed_feed_counts_the_rows_in_flight_by_their_tokens_against_a_long_buckets_cap():
+def test_a_mixed_feed_shares_the_engine_between_a_long_buckets_few_rows_and_a_short_ones_many():
     """Fed `mixed`, a long bucket's row cap (9 rows of 1,004 tokens) is not a cap on every
-    bucket's rows: the rows in flight count against it by their tokens, so short rows
-    keep the engine near its 10,000-token budget while long ones are in it (counted as
-    rows, it stopped at the long bucket's few and held about 40 rows, 4,000 tokens)."""
+    bucket's rows: each row in flight takes 1/cap of the engine by its own bucket's cap,
+    so short rows keep the engine near its 10,000-token budget while long ones are in it
+    (every row counted against the long bucket's cap, it stopped at the long bucket's few
+    and held about 40 rows, 4,000 tokens)."""
     engine = CountingEngine(capacity_tokens=20_000)
     feeder = EngineFeeder(engine, TokenBudget(1), feed="mixed")
     short = [(i, [1] * 96) for i in range(300)]
