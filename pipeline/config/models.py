@@ -352,6 +352,13 @@ class EngineConfig(_Section):
         description="Times each engine actor is started afresh after its process or engine core died or "
         "stalled (and times in a row an engine may fail to start); past it the run stops, resumable.",
     )
+    heap_trim_s: float | None = Field(
+        30.0, gt=0,
+        description="Seconds between giving the engine actor's freed heap back to the operating system "
+        "(glibc's malloc_trim, after a block); null: never. Its heap in use stays flat as rows stream by, but "
+        "glibc keeps what the feeder and vLLM free, and without it the actor's memory climbed with the rows "
+        "(bench/README.md, a corpus larger than the object store).",
+    )
     stall_timeout_s: float = Field(
         600.0, gt=0,
         description="An engine step that has not returned after this long is a hung engine: its core is "

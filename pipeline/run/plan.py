@@ -281,6 +281,7 @@ def generate_settings(config: RunConfig, prepare: PrepareSettings, run_id: str,
         chunk_overlap=job.length.chunk_overlap,
         inject_faults=profile.debug.faults(),
         stall_timeout_s=profile.engine.stall_timeout_s,
+        heap_trim_s=profile.engine.heap_trim_s,
         fail_on_start=profile.debug.engine_fails_on_start,
         quiet_warnings=quiet_warnings,
     )

@@ -54,6 +54,7 @@ from pipeline.config import AdaptivePolicy, FixedPolicy, TunedPolicy
 from pipeline.config.models import BatchPolicyConfig
 from pipeline.generation.engine import Completion, Engine, EngineCrashed, Sampling
 from pipeline.generation.feeder import MIX_SPAN, EngineFeeder, FaultInjector
+from pipeline.generation.memory import HeapTrim
 from pipeline.generation.merge import IdenticalPrompts
 from pipeline.generation.result_key import keys_of_rows
 from pipeline.generation.policy import (BatchPolicy, BatchSizeController, ControllerSettings, FixedBatchPolicy,
@@ -149,6 +150,7 @@ class GenerateSettings:
     # Reuse is on: the engine starts with the first batch that has a row to generate, so a
     # night whose every row is reused starts none.
     engine_on_demand: bool = False
+    heap_trim_s: float | None = None  # engine.heap_trim_s: freed heap given back at most this often
     annotations: AnnotationSettings | None = None
     chunk_overlap: int = 64
     inject_faults: tuple[tuple[int, str], ...] = ()  # drills: (window, kind) each, once each
@@ -328,6 +330,7 @@ class GenerateStage:
             # not when this actor's first such block arrives.
             threading.Thread(target=self._start_on_work, name="engine-on-demand", daemon=True).start()
         self.meter = self._meter(settings.pool_gate)
+        self.heap = HeapTrim(settings.heap_trim_s)
         # Wait for the other engines, and for the driver's checks (None: go ahead).
         self.refused = settings.pool_gate.wait() if settings.pool_gate is not None else None
 
@@ -488,6 +491,7 @@ class GenerateStage:
             "merged": dict(self.calls.merged),  # by call kind: items another's request served
             "prefix_cache": self.engine.prefix_cache() if hasattr(self.engine, "prefix_cache") else None,
             "pids": self.engine_pids(),
+            "heap_trims": {"count": self.heap.trims, "returned_mib": round(self.heap.returned_bytes / 2**20, 1)},
             **({"step_timeline": timeline} if (timeline := self.engine.step_timeline()) is not None else {}),
             "learned": self.policy.learned_limits(),
             **({"server": self.engine.report()} if isinstance(self.engine, ServerEngine) else {}),
@@ -534,6 +538,7 @@ class GenerateStage:
                 self.life.end("engine_died", str(e), self._kill_core())
         if self.meter is not None:
             self._count(out)
+        self.heap.maybe()
         return out
 
     def _count(self, out: pa.Table) -> None:

@@ -33,7 +33,7 @@ ACTOR = {"actor": str, "host": str, "node": str, "pid": int, "package_path": str
          "last_end_at": NUM, "calls": int, "requests": int, "rows": int, "output_tokens": int, "serving_s": NUM,
          "idle_s": NUM, "busy_s": NUM, "step_s": NUM, "active_s": NUM, "busy_fraction": (float, type(None)),
          "windows": int, "oom_retries": int, "bisections": int, "rebuilds": list, "merged": dict, "pids": list,
-         "prefix_cache": (dict, type(None)),
+         "prefix_cache": (dict, type(None)), "heap_trims": dict,
          "learned": dict}
 ENGINE = {"actor": str, "startup_s": NUM, "startup_attempts": list, "kv_cache_tokens": (int, type(None)),
           "max_model_len": int, "max_num_seqs": int}
@@ -74,6 +74,7 @@ def test_report_keys_and_types_are_pinned(job_run):
         check(c, CALL, f"engine_calls[{c['call']}]")
     for a in r["engine"]["actors"]:
         check(a, ACTOR, "engine.actors[]")
+        assert set(a["heap_trims"]) == {"count", "returned_mib"} and a["heap_trims"]["count"] >= 0
     for e in r["engine"]["engines"]:
         check(e, ENGINE, "engine.engines[]")
     assert set(r["tokens"]) == {"prompt", "output", "generated"}
