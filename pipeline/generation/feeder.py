@@ -600,8 +600,9 @@ class _Call:
         return not self.queue
 
     def limits(self) -> tuple[float, int]:
-        """The token budget and the cap on rows in flight (every call's) for this call's
-        next rows, from the policy now."""
+        """The token budget and the cap on rows in flight (every call's; fed mixed, a row
+        of this call takes `1 / cap` of the engine) for this call's next rows, from the
+        policy now."""
         feeder = self.feeder
         policy, engine = feeder.policy, feeder.engine
         budget = policy.budget(self.bucket, self.tokens_per_row)

@@ -19,6 +19,7 @@ Pressure (0..1) is the largest of the signals that apply:
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -136,11 +137,9 @@ def _resident_bytes() -> int:
 def _glibc_trim() -> Callable[[], object] | None:
     """glibc's `malloc_trim(0)`, or None where the C library is another (musl, macOS)."""
     import ctypes
-    import ctypes.util
 
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
+        trim = ctypes.CDLL(None).malloc_trim  # the C library this process already runs on
     except (OSError, AttributeError):
         return None
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
@@ -163,16 +162,23 @@ class HeapTrim:
         self._clock = clock
         self._trim = trim if trim is not None else (_glibc_trim() if every_s is not None else None)
         self._last = clock()
+        self._lock = threading.Lock()  # blocks end on several threads at once: one trims
         self.trims = 0
         self.returned_bytes = 0  # resident memory the trims gave back, summed
 
     def maybe(self) -> bool:
-        """Trim if `every_s` has passed since the last; whether it did."""
-        if self._trim is None or self.every_s is None or self._clock() - self._last < self.every_s:
+        """Trim if `every_s` has passed since the last; whether it did. A block that ends
+        while another thread trims does not wait for it, nor trim again."""
+        if self._trim is None or self.every_s is None or not self._lock.acquire(blocking=False):
             return False
-        before = _resident_bytes()
-        self._trim()
-        self._last = self._clock()
-        self.trims += 1
-        self.returned_bytes += max(0, before - _resident_bytes())
-        return True
+        try:
+            if self._clock() - self._last < self.every_s:
+                return False
+            self._last = self._clock()
+            before = _resident_bytes()
+            self._trim()
+            self.trims += 1
+            self.returned_bytes += max(0, before - _resident_bytes())
+            return True
+        finally:
+            self._lock.release()

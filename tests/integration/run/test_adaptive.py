@@ -133,9 +133,8 @@ def test_a_mixed_feed_loses_no_row_and_keeps_each_call_to_one_bucket(tiny_model,
     assert all(c["buckets"] == [c["bucket"]] and c["rows_written"] == c["rows"] for c in calls)
     assert sum(c["rows"] for c in calls) == run.corpus.num_rows
     # The engine actor gave its freed heap back after its blocks (pipeline.generation.memory.HeapTrim),
-    # with vLLM in its process, and no row was lost for it.
-    trims = run.report["engine"]["actors"][0]["heap_trims"]
-    assert trims["count"] >= 1 and trims["returned_mib"] >= 0
+    # with vLLM in its process, and no row was lost for it. (What a trim returns: tests/unit/generation/test_memory.py.)
+    assert run.report["engine"]["actors"][0]["heap_trims"]["count"] >= 1
 
 
 def test_injected_oom_loses_no_row_and_the_next_run_starts_warm(
