@@ -82,15 +82,23 @@ class EngineCores:
         cores, seen = [], []
         for p in run_processes(self.driver, self.ray_tmp):
             try:
-                title = " ".join(p.cmdline()) or p.name()
-                seen.append(f"{p.pid} (parent {p.ppid()}): {title[:100]}")
+                title = f"{' '.join(p.cmdline())} [{p.name()}]"
+                seen.append(f"{p.pid} (parent {p.ppid()}): {title[:120]}")
                 parent = p.parent()
-                if "EngineCore" in title and parent is not None and "GenerateStage" in " ".join(parent.cmdline()):
+                if "EngineCor" in title and parent is not None and self.engine_actor(parent):
                     cores.append(p)
             except psutil.Error:
                 pass
         self.last_seen = seen or self.last_seen  # the run's processes while it had any
         return cores
+
+    @staticmethod
+    def engine_actor(p: psutil.Process) -> bool:
+        """Whether `p` is an engine actor: its title names GenerateStage, or it is a Ray
+        worker of this run, the only kind that starts an engine core. Under a loaded CI the
+        resumed run's core went unfound for all its 213 s (cause not seen; `ps` showed a
+        MapWorker whose command line read empty then), so the title is not relied on alone."""
+        return "GenerateStage" in " ".join(p.cmdline()) or p.name().startswith("ray::")
 
     def fresh(self, killed: dict[str, int]) -> list[psutil.Process]:
         """Cores that none of the `killed` pids is, or is the parent of."""
