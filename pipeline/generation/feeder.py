@@ -628,9 +628,8 @@ class _Call:
         of its own call's cap (`EngineFeeder._admit_mixed`); this row goes in while its own
         `1 / cap` fits beside them. Otherwise the rows in flight count against `cap`."""
         feeder = self.feeder
-        if not self.queue or cap <= 0:
-            return False
-        if (share + 1 / cap > 1 + 1e-9) if share is not None else len(feeder.in_flight) >= cap:
+        # share + 1/cap > 1, without dividing: a cap of 0 (a drained batch's) is full too.
+        if not self.queue or (len(feeder.in_flight) >= cap if share is None else cap * (1 - share) < 1 - 1e-9):
             return False
         if feeder.in_flight and feeder.admission_cost(self.queue[0]) > budget:
             return False

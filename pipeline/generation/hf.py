@@ -36,7 +36,6 @@ has only torch, transformers, nvidia-ml-py and pyarrow.
 from __future__ import annotations
 
 import itertools
-import os
 from collections import deque
 import threading
 import time
@@ -44,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.generation.engine import Completion, PaddingTotals, Sampling, is_oom
+from pipeline.generation.memory import resident_bytes
 
 GIB = 2**30
 CALIBRATION_BATCHES = 3
@@ -75,10 +75,7 @@ class _PeakRSS:
     def __init__(self, every_s: float = 0.005):
         self.every_s, self.peak, self._stop = every_s, 0, threading.Event()
 
-    @staticmethod
-    def rss() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    rss = staticmethod(resident_bytes)
 
     def __enter__(self) -> _PeakRSS:
         self.before = self.peak = self.rss()

@@ -125,7 +125,7 @@ class MemoryProbe:
         return PressureReading(pressure, kv, preemptions, device, host)
 
 
-def _resident_bytes() -> int:
+def resident_bytes() -> int:
     """This process's resident set, from /proc/self/statm (Linux); 0 elsewhere."""
     try:
         with open("/proc/self/statm") as f:
@@ -172,13 +172,14 @@ class HeapTrim:
         if self._trim is None or self.every_s is None or not self._lock.acquire(blocking=False):
             return False
         try:
-            if self._clock() - self._last < self.every_s:
+            now = self._clock()
+            if now - self._last < self.every_s:
                 return False
-            self._last = self._clock()
-            before = _resident_bytes()
+            self._last = now
+            before = resident_bytes()
             self._trim()
             self.trims += 1
-            self.returned_bytes += max(0, before - _resident_bytes())
+            self.returned_bytes += max(0, before - resident_bytes())
             return True
         finally:
             self._lock.release()

@@ -46,17 +46,17 @@ def test_kv_every_reading_device_and_host_at_most_every_interval():
 
 
 FRAGMENTED_HEAP = """
-from pipeline.generation.memory import HeapTrim, _resident_bytes
+from pipeline.generation.memory import HeapTrim, resident_bytes
 keep, drop = [], []
 for i in range(60_000):  # 1 KB chunks, one in eight kept: the freed ones are holes glibc keeps
     (keep if i % 8 == 0 else drop).append(bytearray(1024))
 del drop
-freed = _resident_bytes()
+freed = resident_bytes()
 now = [0.0]
 heap = HeapTrim(5.0, clock=lambda: now[0])
 early = heap.maybe()
 now[0] = 5.0
-print(early, heap.maybe(), freed, _resident_bytes(), heap.returned_bytes, heap.trims, len(keep))
+print(early, heap.maybe(), freed, resident_bytes(), heap.returned_bytes, heap.trims, len(keep))
 """
 
 
