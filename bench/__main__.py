@@ -30,6 +30,9 @@ from rich.table import Table
 @click.option("--system", "systems", multiple=True,
               help="Run only these systems (raw, ray-data-llm, pipeline, pipeline-2, no-bucket, fixed-N); "
                    "repeatable or comma-separated.")
+@click.option("--ablation", "ablations", multiple=True, metavar="NAME:KEY=VALUE",
+              help="Also run the pipeline with this --set, as system NAME (repeatable; a NAME given twice "
+                   "gets both), e.g. core-apart:engine.in_process=false.")
 @click.option("--scaling", is_flag=True,
               help="Also run the full pipeline at 1k, 4k and 16k rows: time per 1,000 rows, peak driver and "
                    "worker memory (not with --real).")
@@ -38,7 +41,7 @@ from rich.table import Table
 @click.option("--out", help="Results as OUT.md and OUT.json.  "
                             "[default: bench/results/pipeline_vs_raw; with --real bench/results/real_model]")
 def bench(real: bool, repeated: bool, rows: int | None, repeats: int | None, fixed: tuple[int, ...], systems: tuple[str, ...],
-          scaling: bool, scaling_rows: str, out: str | None) -> None:
+          ablations: tuple[str, ...], scaling: bool, scaling_rows: str, out: str | None) -> None:
     """The pipeline against raw vLLM, Ray Data LLM, and its own ablations.
 
     Runs raw vLLM (one LLM.generate), Ray Data LLM (its vLLM processor), the
@@ -58,7 +61,7 @@ def bench(real: bool, repeated: bool, rows: int | None, repeats: int | None, fix
     variant = REAL if real else REPEATED if repeated else SYNTHETIC
     sizes = tuple(int(x) for x in scaling_rows.split(",") if x.strip()) if scaling else ()
     plan = Plan(variant, rows or variant.rows, repeats or variant.repeats, Path(out or variant.out),
-                fixed=fixed, systems=systems, scaling=sizes)
+                fixed=fixed, systems=systems, ablations=ablations, scaling=sizes)
     result = run_bench(plan, log=lambda line: Console().print(line, soft_wrap=True))
     show(result)
     out_path = plan.out

@@ -11,6 +11,8 @@ rendered and tokenized by the job's own prepare stage) and sampling:
     pipeline      `pipeline run` as shipped: Ray Data read, buckets, the adaptive actor, the sink
     pipeline-2    the same with `hardware.num_engines: 2`: the engine pool scaling out
     no-bucket     the same with `bucketing.grouping: off`
+    NAME          with `--ablation NAME:KEY=VALUE` (repeatable): the pipeline with those
+                  `--set`s, after the others, e.g. `core-apart:engine.in_process=false`
     fixed-N       the same with a fixed N rows in flight instead of adaptive sizing
 
 Runs are interleaved (raw, ray-data-llm, pipeline, pipeline-2, no-bucket,
@@ -201,6 +203,7 @@ class Plan:
     out: Path
     fixed: tuple[int, ...] = ()
     systems: tuple[str, ...] = ()  # none: the variant's
+    ablations: tuple[str, ...] = ()  # "NAME:KEY=VALUE": the pipeline with these sets, run after the systems
     scaling: tuple[int, ...] = ()  # row counts for the full pipeline's scaling runs
 
 
@@ -532,6 +535,20 @@ def pipeline_systems(fixed: list[int]) -> dict[str, list[str]]:
     for n in fixed:
         systems[f"fixed-{n}"] = [f"batching.policy={{kind: fixed, rows_per_call: {n}}}"]
     return systems
+
+
+def ablations(specs: tuple[str, ...] | list[str]) -> dict[str, list[str]]:
+    """`--ablation NAME:KEY=VALUE`, repeatable: the pipeline with each NAME's sets (a NAME
+    given twice gathers both)."""
+    out: dict[str, list[str]] = {}
+    for spec in specs:
+        name, _, setting = spec.partition(":")
+        name = name.strip()
+        if not name or "=" not in setting or name in ("raw", "ray-data-llm", "pipeline"):
+            raise ValueError(f"--ablation {spec!r}: expected NAME:KEY=VALUE, NAME not a system's "
+                             "(e.g. core-apart:engine.in_process=false)")
+        out.setdefault(name, []).append(setting.strip())
+    return out
 
 
 def choose_systems(fixed: list[int], systems: list[str] | None = None,
@@ -914,7 +931,8 @@ def check_plan(plan: Plan) -> dict[str, list[str]]:
     result files are not ours to replace."""
     if plan.scaling and plan.variant.corpus_kind != "synthetic":
         raise ValueError(f"--scaling runs the synthetic corpus; the {plan.variant.name} variant has none")
-    chosen = choose_systems(list(plan.fixed), list(plan.systems), plan.variant.systems)
+    chosen = {**choose_systems(list(plan.fixed), list(plan.systems), plan.variant.systems),
+              **ablations(plan.ablations)}
     for path, owned in result_files(plan.out).items():
         owned.check(path)
     return {name: [*plan.variant.sets, *sets] for name, sets in chosen.items()}
