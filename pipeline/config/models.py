@@ -480,12 +480,14 @@ class BucketingConfig(_Section):
         description="window grouping: prepared rows ordered by bucket together. More rows, fewer bucket "
         "boundaries; the window bounds what a stage holds at once.",
     )
-    window_order: Literal["interleaved", "ascending"] = Field(
-        "interleaved",
+    window_order: Literal["auto", "interleaved", "ascending"] = Field(
+        "auto",
         description="window grouping: the order of a window's blocks. interleaved: each bucket's blocks spread "
         "evenly through the window, so a continuous-batching engine prefills long prompts beside short ones' "
         "decodes (vLLM only: the transformers backend's static batches keep ascending); ascending: short buckets "
-        "first, the longest last. Either way no block's call mixes buckets.",
+        "first, the longest last; auto: interleaved where the engine is fed `continuous`, else ascending (fed "
+        "`mixed`, the feeder spreads a long bucket's rows itself, and interleaved blocks cost 3-5% of the "
+        "steady rate: bench/README.md, engine steps). Either way no block's call mixes buckets.",
     )
 
     @field_validator("grouping", mode="before")
@@ -649,6 +651,20 @@ class ProfileConfig(_Section):
         """How the engines are fed: transformers' static batches always drain (one call's
         rows at a time, so a batch is one bucket, padded once)."""
         return "drain" if self.engine.backend == "transformers" else self.batching.feed
+
+    def window_order(self) -> str:
+        """The order of a window's blocks (`bucketing.window_order`). Interleaved only where
+        an engine batches continuously (vLLM, a server) and asked or fed `continuous`: fed
+        `mixed`, the feeder already spreads a long bucket's rows among the others', a row at
+        a time, and interleaved blocks (long buckets in pieces, calls per piece) made the
+        steady rate 3-5% lower than ascending ones (bench/README.md, engine steps); a static
+        batch (transformers) is one call's rows, with nothing to overlap."""
+        order = self.bucketing.window_order
+        if self.engine.backend == "transformers":
+            return "ascending"
+        if order == "auto":
+            return "interleaved" if self.feed() == "continuous" else "ascending"
+        return order
 
     @model_validator(mode="after")
     def _transformers_on_cpu_needs_a_budget(self) -> ProfileConfig:

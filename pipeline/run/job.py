@@ -448,9 +448,9 @@ def build_dataset(ctx: RunContext, target: OutputTarget, gate: Any = None) -> tu
         # Streaming: each window of prepared rows ordered by bucket, nothing waits for the corpus.
         # Then cut into blocks of an engine's batch: Ray Data hands out blocks, not
         # batches, so a window left whole would go to one engine (streaming, no shuffle).
-        # Interleaving helps an engine that batches continuously (vLLM); static batches
-        # (transformers) are one call's rows each, so they keep the buckets in order.
-        interleaved = profile.bucketing.window_order == "interleaved" and profile.engine.backend == "vllm"
+        # Interleaving helps an engine fed continuously (`ProfileConfig.window_order`); static
+        # batches (transformers) are one call's rows each, so they keep the buckets in order.
+        interleaved = profile.window_order() == "interleaved"
         ds = (ds.map_batches(group_window, batch_size=profile.bucketing.window_rows, batch_format="pyarrow",
                              fn_kwargs={"block_rows": profile.batching.generate_batch_rows if interleaved else None,
                                         "bounds": list(profile.bucketing.boundaries) if interleaved else None},

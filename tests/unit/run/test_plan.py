@@ -176,3 +176,18 @@ def test_the_engine_is_fed_mixed_over_the_blocks_it_serves_at_once_and_transform
     settings = generate_settings(config, prepare_settings(config, "m", 2048), "run")
     assert settings.feed == "mixed" and settings.mix_span == 4.0
     assert load_run_config(JOB, LOCAL, ["engine.backend=transformers", "engine.memory_budget_gib=2"]).profile.feed() == "drain"
+
+
+def test_a_windows_blocks_come_ascending_when_fed_mixed_and_interleaved_when_fed_continuous():
+    """`bucketing.window_order: auto` (the default): the feeder fed `mixed` spreads a long
+    bucket's rows itself, so the window keeps its buckets short to long; fed `continuous`,
+    the window interleaves them. Asked for, either holds, but static batches keep ascending."""
+    def order(*sets: str) -> str:
+        return load_run_config(JOB, LOCAL, list(sets)).profile.window_order()
+
+    assert order() == "ascending"
+    assert order("batching.feed=continuous") == "interleaved"
+    assert order("bucketing.window_order=interleaved") == "interleaved"
+    assert order("batching.feed=continuous", "bucketing.window_order=ascending") == "ascending"
+    assert order("engine.backend=transformers", "engine.memory_budget_gib=2",
+                 "bucketing.window_order=interleaved") == "ascending"
