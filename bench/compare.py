@@ -544,7 +544,8 @@ def ablations(specs: tuple[str, ...] | list[str]) -> dict[str, list[str]]:
     for spec in specs:
         name, _, setting = spec.partition(":")
         name = name.strip()
-        if not name or "=" not in setting or name in ("raw", "ray-data-llm", "pipeline"):
+        taken = name in ("raw", "ray-data-llm", *pipeline_systems([])) or re.fullmatch(r"fixed-[0-9]+", name)
+        if not name or "=" not in setting or taken:
             raise ValueError(f"--ablation {spec!r}: expected NAME:KEY=VALUE, NAME not a system's "
                              "(e.g. core-apart:engine.in_process=false)")
         out.setdefault(name, []).append(setting.strip())

@@ -17,10 +17,10 @@ from bench.compare import (
     SYNTHETIC,
     Plan,
     Sampled,
+    ablations,
     baseline,
     bench_result,
     check_plan,
-    ablations,
     choose_systems,
     engine_request,
     engine_stats,
@@ -204,6 +204,8 @@ def test_systems_default_named_or_comma_separated():
     assert list(choose_systems([], ["raw,ray-data-llm", "pipeline-2"])) == ["raw", "ray-data-llm", "pipeline-2"]
     assert choose_systems([], ["pipeline-2"]) == {"pipeline-2": ["hardware.num_engines=2"]}
     assert choose_systems([], ["fixed-32"]) == {"fixed-32": ["batching.policy={kind: fixed, rows_per_call: 32}"]}
+    with pytest.raises(ValueError, match="unknown system 'vllm'.*ray-data-llm"):
+        choose_systems([64], ["raw", "vllm"])
 
 
 def test_an_ablation_is_the_pipeline_with_its_sets_and_a_name_given_twice_gathers_both():
@@ -211,11 +213,11 @@ def test_an_ablation_is_the_pipeline_with_its_sets_and_a_name_given_twice_gather
                       "asc: batching.feed=continuous"]) == {
         "core-apart": ["engine.in_process=false"],
         "asc": ["bucketing.window_order=ascending", "batching.feed=continuous"]}
-    for bad in ("engine.in_process=false", "x:engine", "pipeline:engine.in_process=false", ":a=b"):
+    bad = ("engine.in_process=false", "x:engine", ":a=b", "pipeline:engine.in_process=false",
+           "no-bucket:engine.in_process=false", "fixed-8:engine.in_process=false")  # a system's name
+    for spec in bad:
         with pytest.raises(ValueError, match="NAME:KEY=VALUE"):
-            ablations([bad])
-    with pytest.raises(ValueError, match="unknown system 'vllm'.*ray-data-llm"):
-        choose_systems([64], ["raw", "vllm"])
+            ablations([spec])
 
 
 REAL_SETS = ["sampling.max_new_tokens=64", "engine.max_model_len=1024"]  # `make run`'s RUN_SETS
