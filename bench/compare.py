@@ -537,6 +537,14 @@ def pipeline_systems(fixed: list[int]) -> dict[str, list[str]]:
     return systems
 
 
+FIXED_SYSTEM = re.compile(r"fixed-[1-9][0-9]*")  # fixed-N: N rows in flight, named without --fixed N
+
+
+def is_system(name: str) -> bool:
+    """Whether `name` is one of the systems `--system` may name."""
+    return name in ("raw", "ray-data-llm", *pipeline_systems([])) or FIXED_SYSTEM.fullmatch(name) is not None
+
+
 def ablations(specs: tuple[str, ...] | list[str]) -> dict[str, list[str]]:
     """`--ablation NAME:KEY=VALUE`, repeatable: the pipeline with each NAME's sets (a NAME
     given twice gathers both)."""
@@ -544,8 +552,7 @@ def ablations(specs: tuple[str, ...] | list[str]) -> dict[str, list[str]]:
     for spec in specs:
         name, _, setting = spec.partition(":")
         name = name.strip()
-        taken = name in ("raw", "ray-data-llm", *pipeline_systems([])) or re.fullmatch(r"fixed-[0-9]+", name)
-        if not name or "=" not in setting or taken:
+        if not name or "=" not in setting or is_system(name):
             raise ValueError(f"--ablation {spec!r}: expected NAME:KEY=VALUE, NAME not a system's "
                              "(e.g. core-apart:engine.in_process=false)")
         out.setdefault(name, []).append(setting.strip())
@@ -564,7 +571,7 @@ def choose_systems(fixed: list[int], systems: list[str] | None = None,
     names = names or [*default, *(f"fixed-{n}" for n in fixed)]
     for n in names:
         if n not in known:
-            if not re.fullmatch(r"fixed-[1-9][0-9]*", n):
+            if not FIXED_SYSTEM.fullmatch(n):
                 raise ValueError(f"unknown system {n!r} (known: {', '.join(known)}, fixed-N)")
             known.update(pipeline_systems([int(n.removeprefix("fixed-"))]))
     return {k: v for k, v in known.items() if k in names}
