@@ -540,9 +540,14 @@ def pipeline_systems(fixed: list[int]) -> dict[str, list[str]]:
 FIXED_SYSTEM = re.compile(r"fixed-[1-9][0-9]*")  # fixed-N: N rows in flight, named without --fixed N
 
 
+def known_systems(fixed: list[int]) -> dict[str, list[str]]:
+    """Every system with its `--set`s: raw vLLM and Ray Data LLM, then the pipeline's."""
+    return {**{name: [] for name in OWN_PROCESS}, **pipeline_systems(fixed)}
+
+
 def is_system(name: str) -> bool:
     """Whether `name` is one of the systems `--system` may name."""
-    return name in ("raw", "ray-data-llm", *pipeline_systems([])) or FIXED_SYSTEM.fullmatch(name) is not None
+    return name in known_systems([]) or FIXED_SYSTEM.fullmatch(name) is not None
 
 
 def ablations(specs: tuple[str, ...] | list[str]) -> dict[str, list[str]]:
@@ -564,15 +569,15 @@ def choose_systems(fixed: list[int], systems: list[str] | None = None,
     """The systems to run, in interleaving order, each with its `--set`s. `systems`
     names them (repeated or comma-separated); none means `default` and the `fixed`
     ones, or all if `default` is None. `fixed-N` may be named without `--fixed N`."""
-    known = {"raw": [], "ray-data-llm": [], **pipeline_systems(fixed)}
+    known = known_systems(fixed)
     names = [n.strip() for s in systems or [] for n in s.split(",") if n.strip()]
     if not names and default is None:
         return known
     names = names or [*default, *(f"fixed-{n}" for n in fixed)]
     for n in names:
-        if n not in known:
-            if not FIXED_SYSTEM.fullmatch(n):
-                raise ValueError(f"unknown system {n!r} (known: {', '.join(known)}, fixed-N)")
+        if not is_system(n):
+            raise ValueError(f"unknown system {n!r} (known: {', '.join(known)}, fixed-N)")
+        if n not in known:  # fixed-N named without --fixed N
             known.update(pipeline_systems([int(n.removeprefix("fixed-"))]))
     return {k: v for k, v in known.items() if k in names}
 
