@@ -146,8 +146,15 @@ def test_a_killed_server_stops_the_run_resumable_and_resume_generates_no_row_twi
     corpus = sample_corpus(tmp_path, ROWS_KILLED)
     # No probes: the server's count is then the rows alone (a probe sent after the last call
     # reported would be counted by the server and by no report).
-    sets = ("engine.server.unavailable_s=5", "engine.max_restarts=1", "engine.server.probe_every_s=0")
-    proc, driver = start(command(server, corpus, out, *sets), ray_tmp, tmp_path / "run.log")
+    # Windows of 100 rows, read and served 50 at a time: the first window commits on its own
+    # (a block of more rows than a window would wait for the held ones).
+    sets = ("engine.server.unavailable_s=5", "engine.max_restarts=1", "engine.server.probe_every_s=0",
+            "batching.prepare_batch_rows=50", "bucketing.window_rows=100", "batching.generate_batch_rows=50")
+    # The rows after the first window are held until its rows are committed, then read 1 s a
+    # batch, as in the nightly kill test: the kill comes while they are. (Unheld, a fast
+    # server once finished every row before the first commit was seen, and the run exited 0.)
+    drills = ("debug.hold_input_until_output_s=240", "debug.slow_prepare_s=1.0")
+    proc, driver = start(command(server, corpus, out, *sets, *drills), ray_tmp, tmp_path / "run.log")
     try:
         # Killed once some of the rows are committed (a block commits when all its rows are
         # done: under load 150 requests done once left none committed).
