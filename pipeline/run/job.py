@@ -28,6 +28,7 @@ import uuid
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import replace
+from functools import partial
 from datetime import datetime, timezone
 from typing import Any, Literal
 
@@ -152,10 +153,12 @@ def skip_committed(batch: pa.Table, committed: list[Any], columns: list[str]) ->
 
 
 def read_and_prepare(config: RunConfig, inputs: Any, settings: PrepareSettings,
-                     skip: tuple[Any, list[str]] | None = None, shards: list[Any] | None = None) -> Any:
+                     skip: tuple[Any, list[str]] | None = None, shards: list[Any] | None = None,
+                     look_up: Callable[[pa.Table], pa.Table] | None = None) -> Any:
     """The input read and run through the prepare stage (lazy: nothing runs yet). `skip`:
     (ObjectRef of committed keys, key columns) of a resumed run. `shards`: the reuse
-    index's, where rows may be found by their input key before they are tokenized."""
+    index's, where rows may be found by their input key before they are tokenized.
+    `look_up`: each prepared batch's result keys looked up, in the prepare actor."""
     from ray.data import ActorPoolStrategy
 
     from pipeline.stages.prepare import PrepareStage
@@ -175,7 +178,7 @@ def read_and_prepare(config: RunConfig, inputs: Any, settings: PrepareSettings,
     rows = config.profile.batching.prepare_batch_rows
     ds = ds.repartition(target_num_rows_per_block=rows).map_batches(
         PrepareStage,
-        fn_constructor_kwargs={"settings": settings, "shards": shards},
+        fn_constructor_kwargs={"settings": settings, "shards": shards, "look_up": look_up},
         batch_size=rows,
         batch_format="pyarrow",
         compute=ActorPoolStrategy(size=config.profile.hardware.prepare_actors),
@@ -434,16 +437,22 @@ def build_dataset(ctx: RunContext, target: OutputTarget, gate: Any = None) -> tu
     ctx.reuse_index = reuse_index(ctx)
     index = ctx.reuse_index
     before = index is not None and index.inputs and job.reuse.before_tokenizing
-    ds = read_and_prepare(config, ctx.inputs, prepare, skip, shards=index.shards if before else None)
-    if ctx.reuse_index is not None:  # each row's key looked up as it streams by
-        index = ctx.reuse_index
-        ds = ds.map_batches(keyed_look_up, fn_kwargs={"base": ctx.result_key["base"], "shards": index.shards,
-                                                      "columns": index.columns, "gate": gate},
-                            # Two at a time: light tasks (a shard's round trip), and each one
-                            # more in flight is a Ray worker process; beside a prepare stage that
-                            # no longer tokenizes the rows it finds, Ray Data ran ~20 at once, and
-                            # their idle threads took most of a core (bench/README).
-                            batch_format="pyarrow", num_cpus=0.1, concurrency=2)
+    # Each row's result key looked up as it streams by: in the prepare actor, as each batch
+    # is made. As a stage of its own it was a Ray task per batch, each task in flight a
+    # worker process, and on 2 cores a worker started mid-run took 7-10 s to its first
+    # task while the engine waited (night 2 of `make bench-nightly` 2.9 s sooner at the
+    # median of 8 pairs, bench/README.md). A resumed run's passages are skipped after
+    # prepare, before they are looked up: they keep the stage.
+    look_up = None if index is None else partial(keyed_look_up, base=ctx.result_key["base"],
+                                                 shards=index.shards, columns=index.columns, gate=gate)
+    in_prepare = look_up is not None and not (skip and job.passages is not None)
+    ds = read_and_prepare(config, ctx.inputs, prepare, skip, shards=index.shards if before else None,
+                          look_up=look_up if in_prepare else None)
+    if look_up is not None and not in_prepare:
+        # Two at a time: light tasks (a shard's round trip), and each one more in flight is
+        # a Ray worker process (Ray Data ran ~20 at once, and their idle threads took most
+        # of a core, bench/README).
+        ds = ds.map_batches(look_up, batch_format="pyarrow", num_cpus=0.1, concurrency=2)
     if profile.bucketing.grouping == "window":
         # Streaming: each window of prepared rows ordered by bucket, nothing waits for the corpus.
         # Then cut into blocks of an engine's batch: Ray Data hands out blocks, not

@@ -26,6 +26,7 @@ import string
 import os
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -290,11 +291,15 @@ class PrepareStage:
     prompt further (the corpus percentile cap).
     """
 
-    def __init__(self, settings: PrepareSettings, shards: list[Any] | None = None):
+    def __init__(self, settings: PrepareSettings, shards: list[Any] | None = None,
+                 look_up: Callable[[pa.Table], pa.Table] | None = None):
         self.settings = settings
         # The reuse index's shards (`pipeline.reuse.index`): rows found there by their
         # input key are not tokenized. None: every row is.
         self.shards = shards
+        # Each prepared batch's rows then looked up by their result keys
+        # (`pipeline.reuse.index.keyed_look_up`). None: by a later stage, or not at all.
+        self.look_up = look_up
         self.id_column = settings.id_column
         self.text_column = settings.text_column
         self.length = settings.length
@@ -443,7 +448,7 @@ class PrepareStage:
         if found is not None:
             for name in found.column_names:
                 batch = batch.append_column(name, found.column(name))
-        return batch
+        return batch if self.look_up is None else self.look_up(batch)  # 6. with reuse: by result key
 
     def _earlier(self, rows: list[dict[str, Any]], work: list[_Row], valid: list[int]) -> pa.Table | None:
         """1b. Each valid row's input key; with the reuse index, the earlier rows found by

@@ -262,3 +262,24 @@ def test_the_input_key_follows_the_tokenizer_libraries_and_the_rendered_template
     assert PrepareStage(settings)(batch).column("input_key").to_pylist() != first(batch).column("input_key").to_pylist()
     other = PrepareStage(replace(settings, prompt=replace(settings.prompt, system="Another system message.")))
     assert other.input_base != first.input_base
+
+
+def test_with_reuse_each_prepared_batch_is_looked_up_before_it_leaves_the_stage(tiny_model):
+    cfg = load_run_config(
+        REPO / "jobs/nightly_summarize.yaml", REPO / "conf/local.yaml",
+        ["bucketing.boundaries=[64, 96]", "sampling.max_new_tokens=16"],
+    )
+    seen = []
+
+    def look_up(batch):
+        seen.append(batch)
+        return batch.append_column("result_key", pa.array([f"k{i}" for i in range(batch.num_rows)]))
+
+    stage = PrepareStage(prepare_settings(cfg, str(tiny_model), 256), look_up=look_up)
+    out = stage(batch_of(["A short note.", None]))
+    (prepared,) = seen
+    # It saw the batch as prepared (token ids, statuses), and what it answered is the stage's output.
+    assert prepared.column("status").to_pylist() == ["ok", "error"]
+    assert len(prepared.column(schema.PROMPT_TOKEN_IDS).to_pylist()[0]) > 0
+    assert out.column("result_key").to_pylist() == ["k0", "k1"]
+    assert out.drop_columns(["result_key"]).equals(prepared)
