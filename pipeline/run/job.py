@@ -28,8 +28,8 @@ import uuid
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import replace
-from functools import partial
 from datetime import datetime, timezone
+from functools import partial
 from typing import Any, Literal
 
 import pyarrow as pa
@@ -440,7 +440,7 @@ def build_dataset(ctx: RunContext, target: OutputTarget, gate: Any = None) -> tu
     # Each row's result key looked up as it streams by: in the prepare actor, as each batch
     # is made. As a stage of its own it was a Ray task per batch, each task in flight a
     # worker process, and on 2 cores a worker started mid-run took 7-10 s to its first
-    # task while the engine waited (night 2 of `make bench-nightly` 2.9 s sooner at the
+    # task while the engine waited (night 2 of `bench.nightly_week` 2.9 s sooner at the
     # median of 8 pairs, bench/README.md). A resumed run's passages are skipped after
     # prepare, before they are looked up: they keep the stage.
     look_up = None if index is None else partial(keyed_look_up, base=ctx.result_key["base"],
