@@ -31,12 +31,12 @@ def test_renders_with_chat_template_and_counts_tokens(stage):
     assert out.column("status").to_pylist() == ["ok"]
 
 
-def make_stage(tiny_model, *sets, max_model_len=256):
+def make_stage(tiny_model, *sets, max_model_len=256, look_up=None):
     cfg = load_run_config(
         REPO / "jobs/nightly_summarize.yaml", REPO / "conf/local.yaml",
         ["bucketing.boundaries=[64, 96]", "sampling.max_new_tokens=16", *sets],
     )
-    return PrepareStage(prepare_settings(cfg, str(tiny_model), max_model_len))
+    return PrepareStage(prepare_settings(cfg, str(tiny_model), max_model_len), look_up=look_up)
 
 
 def batch_of(texts, ids=None):
@@ -265,18 +265,13 @@ def test_the_input_key_follows_the_tokenizer_libraries_and_the_rendered_template
 
 
 def test_with_reuse_each_prepared_batch_is_looked_up_before_it_leaves_the_stage(tiny_model):
-    cfg = load_run_config(
-        REPO / "jobs/nightly_summarize.yaml", REPO / "conf/local.yaml",
-        ["bucketing.boundaries=[64, 96]", "sampling.max_new_tokens=16"],
-    )
     seen = []
 
     def look_up(batch):
         seen.append(batch)
         return batch.append_column("result_key", pa.array([f"k{i}" for i in range(batch.num_rows)]))
 
-    stage = PrepareStage(prepare_settings(cfg, str(tiny_model), 256), look_up=look_up)
-    out = stage(batch_of(["A short note.", None]))
+    out = make_stage(tiny_model, look_up=look_up)(batch_of(["A short note.", None]))
     (prepared,) = seen
     # It saw the batch as prepared (token ids, statuses), and what it answered is the stage's output.
     assert prepared.column("status").to_pylist() == ["ok", "error"]
