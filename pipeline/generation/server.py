@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.generation.engine import Completion, EngineDead, Sampling
-from pipeline.generation.policy.inflight import InFlightController, ServerSample
+from pipeline.generation.policy.inflight import InFlightController, ServerSample, others_by_bucket
 
 log = logging.getLogger(__name__)
 logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
@@ -46,6 +46,9 @@ logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request other
 PROBE_TEXT = "Summarize: the café's 3 reports (2026-12-03) — naïve units, 17.5% faster; done."
 STEP_WAIT_S = 0.05  # a step returns after this long if nothing finished
 STREAMS_CATCH_UP_S = 0.05
+# The server's histograms of finished requests, and what each counts: others' finished
+# requests are told from ours bucket by bucket (`policy.inflight.others_by_bucket`).
+HISTOGRAMS = {"vllm:request_prompt_tokens": "prompt_tokens", "vllm:request_generation_tokens": "completion_tokens"}
 
 
 class ServerUnavailable(EngineDead):
@@ -88,6 +91,8 @@ class _Request:
     submitted: float
     task: asyncio.Task[Any] | None = None
     tries: int = 0
+    began: bool = False  # this try's stream began: the server may count the request as finished
+    usage: dict[str, int] | None = None  # the server's token counts, from the stream's last chunk
 
 
 @dataclass
@@ -103,20 +108,28 @@ class ServerTotals:
     ttft_ms: list[float] = field(default_factory=list)  # ours, each completed request's
 
 
-def parse_metrics(text: str) -> dict[str, float]:
+def parse_metrics(text: str) -> dict[str, Any]:
     """The vLLM gauges and counters the controller reads, summed over their labels
-    (several engines behind one server add up)."""
+    (several engines behind one server add up); under "histograms", the buckets of its
+    histograms of finished requests (`HISTOGRAMS`' names -> upper bound -> cumulative count)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     want = {"vllm:num_requests_waiting": "waiting", "vllm:num_requests_running": "running",
             "vllm:num_preemptions_total": "preemptions", "vllm:kv_cache_usage_perc": "kv_cache",
             "vllm:request_success_total": "done", "vllm:time_to_first_token_seconds_sum": "ttft_sum", "vllm:time_to_first_token_seconds_count": "ttft_count"}
-    out: dict[str, float] = {}
+    out: dict[str, Any] = {}
+    histograms: dict[str, dict[float, float]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             key = want.get(sample.name)
             if key is not None:
                 out[key] = (max if key == "kv_cache" else (lambda a, b: a + b))(out.get(key, 0.0), sample.value)
+            elif sample.name.endswith("_bucket") and sample.name[:-7] in HISTOGRAMS:
+                buckets = histograms.setdefault(HISTOGRAMS[sample.name[:-7]], {})
+                le = float(sample.labels["le"])
+                buckets[le] = buckets.get(le, 0.0) + sample.value
+    if histograms:
+        out["histograms"] = histograms
     return out
 
 
@@ -157,7 +170,11 @@ class ServerEngine:
         self._finished_since_sample = 0
         self._probe_ttfts: list[float] = []
         self._probed_at = 0.0
-        self._gauges: dict[str, float] = {}
+        self._gauges: dict[str, Any] = {}
+        # Ours the server has finished, by the token counts it told us (HISTOGRAMS' values),
+        # and how many it may have finished whose counts we do not know.
+        self._ours_values: dict[str, Counter[int]] = {name: Counter() for name in HISTOGRAMS.values()}
+        self._ours_unknown = 0
         self._ttft_seen = (0.0, 0.0)
         self._loop = asyncio.new_event_loop()
         self._wake: asyncio.Event | None = None
@@ -270,23 +287,32 @@ class ServerEngine:
         if self.prompt_as == "token_ids" and self.tokenizer is not None:
             prompt = list(self.tokenizer.encode(PROBE_TEXT, add_special_tokens=False))
         body: dict[str, Any] = {"model": self.settings.model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
-                                "stream": True}
+                                "stream": True, "stream_options": {"include_usage": True}}
         if self.priority is not None:
             body["priority"] = self.settings.online_priority
         sent = time.monotonic()
         first = None
+        usage = None
         try:
             async with self._http.stream("POST", "/v1/completions", json=body) as r:
                 if r.status_code != 200:
                     await r.aread()
                     return
-                async for line in r.aiter_lines():
-                    if first is None and line.startswith("data:") and '"choices"' in line:
-                        first = time.monotonic()
+                try:
+                    async for line in r.aiter_lines():
+                        if first is None and line.startswith("data:") and '"choices"' in line:
+                            first = time.monotonic()
+                        if line.startswith("data:") and '"usage"' in line:
+                            usage = json.loads(line[5:]).get("usage")
+                except Exception:  # the stream broke: the server may have counted it
+                    with self._lock:
+                        self._ours_unknown += 1
+                    return
         except Exception:  # no probe this time: the rows' requests say whether the server is there
             return
         with self._lock:
             self.totals.probes += 1
+            self._count_finished(usage)
             if first is not None:
                 self._probe_ttfts.append(1000 * (first - sent))
 
@@ -295,11 +321,13 @@ class ServerEngine:
         while True:
             await asyncio.sleep(self.settings.metrics_interval_s)
             every = self.settings.probe_every_s
-            if every and time.monotonic() - self._probed_at >= every:
+            # While online traffic is there, a probe each sample: the limit follows its wait.
+            if every and (self.controller.online_present or time.monotonic() - self._probed_at >= every):
                 self._probed_at = time.monotonic()
                 asyncio.ensure_future(self._probe_online())
             with self._lock:
                 ours_before = self._ours_done()
+                values_before = {name: Counter(c) for name, c in self._ours_values.items()}
             try:
                 r = await self._http.get("/metrics", timeout=5.0)
                 g = parse_metrics(r.text) if r.status_code == 200 else {}
@@ -314,6 +342,8 @@ class ServerEngine:
                 finished, self._finished_since_sample = self._finished_since_sample, 0
                 in_flight = len(self._out)
                 ours_done = self._ours_done()
+                values_after = {name: Counter(c) for name, c in self._ours_values.items()}
+                unknown = self._ours_unknown
                 probes, self._probe_ttfts = self._probe_ttfts, []
             server_ttft = None
             if "ttft_count" in g:
@@ -329,7 +359,8 @@ class ServerEngine:
                 probe_ttft_ms=round(max(probes), 1) if probes else None,
                 kv_cache=g.get("kv_cache"), server_ttft_ms=server_ttft, finished=finished,
                 server_done=int(g["done"]) if "done" in g else None, ours_done_before=ours_before,
-                ours_done=ours_done))
+                ours_done=ours_done, others_by_bucket=others_by_bucket(g["histograms"], values_before, values_after,
+                                                                       unknown) if "histograms" in g else None))
             if self.controller.limit > before:
                 self._poke()
 
@@ -360,6 +391,10 @@ class ServerEngine:
         s = self.settings
         pause = 0.5
         while True:
+            if req.began:  # the last try's stream began, then failed: the server may count it finished
+                with self._lock:
+                    self._ours_unknown += 1
+                req.began = False
             req.tries += 1
             self.totals.sent += 1
             sent = time.monotonic()
@@ -411,6 +446,7 @@ class ServerEngine:
             if r.status_code != 200:
                 await r.aread()
                 r.raise_for_status()
+            req.began = True
             async for line in r.aiter_lines():
                 if not line.startswith("data:"):
                     continue
@@ -433,6 +469,7 @@ class ServerEngine:
                 usage = chunk.get("usage")
                 if usage:
                     tokens = usage.get("completion_tokens")
+                    req.usage = usage
         if finish is None:
             raise httpx.StreamError("the stream ended before the request finished")
         return Completion("".join(text), tokens if tokens is not None else 0, 0.0, finish,
@@ -466,10 +503,22 @@ class ServerEngine:
             self._finished_since_sample += 1
             if c.error is None:
                 self.totals.completed += 1
+                self._count_finished(req.usage)
             else:
                 self.totals.row_errors += 1
+                if req.began:  # an error in the stream: the server may count it finished
+                    self._ours_unknown += 1
             self._done.notify_all()
         self._poke()
+
+    def _count_finished(self, usage: dict[str, int] | None) -> None:
+        """One of ours the server finished, by the token counts it told us (under the lock)."""
+        counts = [usage.get(key) for key in HISTOGRAMS.values()] if usage else []
+        if not counts or None in counts:
+            self._ours_unknown += 1
+            return
+        for key, n in zip(HISTOGRAMS.values(), counts):
+            self._ours_values[key][n] += 1
 
     # -- the Engine protocol ----------------------------------------------------------
 
@@ -498,6 +547,7 @@ class ServerEngine:
             self._pending = deque(r for r in self._pending if r.id not in gone)
             cancelled = [self._out.pop(i) for i in list(self._out) if i in gone]
             self.totals.aborted += len(cancelled)
+            self._ours_unknown += len(cancelled)  # the server may count them finished
             self._finished = [f for f in self._finished if f[0] not in gone]
         for req in cancelled:
             if req.task is not None:

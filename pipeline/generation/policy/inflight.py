@@ -11,15 +11,22 @@ ours by count. Ours finished are counted just before the server's finished count
 for and just after (the streams given a moment to catch up), which brackets what it
 counted of ours: others' finished requests lie in [least, most], and when the least now
 passes the most of a sample up to OTHERS_WINDOW back, in two samples in a row, others
-finished some in between. Or its gauges show more running and waiting than ours in flight and finished since the
-last sample, in two samples in a row (they are as of its last step). Both undercount
-others' rather than mistake ours for them.
+finished some in between. The same holds bucket by bucket of the histograms the server
+keeps of finished requests (prompt and generated tokens: `others_by_bucket`), with ours
+placed by the token counts the server told us: in a bucket none of ours finish in, the
+bracket is exact, and one request of others' is seen at the next two samples. (Counted
+in total, ours finishing while the count is read, about 15 at 140 a second, hid 2 online
+requests a second for 6 s.) Or its gauges show more running and waiting than ours in
+flight and finished since the last sample, in two samples in a row (they are as of its
+last step). All undercount others' rather than mistake ours for them.
 - Back off, halving the limit (not below `floor`), for any of these reasons:
   - `online_ttft`: online traffic is there, and an online request's time to first token
-    (the engine's probe: an online-priority request of one token, each sample; else
-    ours) passed `ttft_slo_ms`. Halves at every sample it holds: the server's users wait.
-    With no one else there the target does not bind: the job is held only by the
-    server's capacity (the reasons below).
+    (the engine's probe: an online-priority request of one token; else ours) passed
+    `ttft_slo_ms`. Cuts at every sample it holds, in proportion to the overshoot (to the
+    limit x target / wait) and at least by half: the server's users wait, and at 64 of
+    ours an online request waits 5x its target, three halvings away. With no one else
+    there the target does not bind: the job is held only by the server's capacity (the
+    reasons below).
   - `queue`: requests waited in two samples in a row (the server is full).
   - `preempted`: the server's preemption count rose.
   - `throttled`: the server answered 429 or 503.
@@ -56,7 +63,9 @@ tests/unit/generation/test_inflight.py.
 from __future__ import annotations
 
 import time
-from collections import deque
+from bisect import bisect_left
+from collections import Counter, deque
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -70,6 +79,38 @@ from typing import Any
 OTHERS_WINDOW = 16
 ONLINE_MEMORY = 4  # samples: online traffic seen this recently is still there
 BASELINE_WINDOW = 120  # readings of an online request's time to first token: the least of these is its baseline
+
+
+def others_by_bucket(server: Mapping[str, Mapping[float, float]], ours_before: Mapping[str, Counter[int]],
+                     ours_after: Mapping[str, Counter[int]], unknown: int = 0) -> dict[str, tuple[int, int]]:
+    """Others' finished requests in each bucket of each histogram the server keeps of
+    finished requests, (at least, at most).
+
+    `server`: histogram name -> the bucket's upper bound (`le`) -> its cumulative count.
+    `ours_before` and `ours_after`: histogram name -> value -> ours finished with it, as
+    counted just before the server's histograms were asked for and just after (the
+    server counted ours somewhere between). `unknown`: ours it may have counted whose
+    values we do not know (aborted, or their stream broke): each may be in any bucket."""
+    out = {}
+    for name, cumulative in server.items():
+        bounds = sorted(cumulative)
+        before = _bucketed(ours_before.get(name, Counter()), bounds)
+        after = _bucketed(ours_after.get(name, Counter()), bounds)
+        below = 0.0
+        for le in bounds:
+            n, below = cumulative[le] - below, cumulative[le]
+            out[f"{name}<={le:g}"] = (int(n) - after[le] - unknown, int(n) - before[le])
+    return out
+
+
+def _bucketed(values: Counter[int], bounds: list[float]) -> Counter[float]:
+    """How many of `values` fall in each bucket (the least bound at or above the value)."""
+    out: Counter[float] = Counter()
+    for value, n in values.items():
+        i = bisect_left(bounds, value)
+        if i < len(bounds):
+            out[bounds[i]] += n
+    return out
 
 
 @dataclass(frozen=True)
@@ -92,6 +133,9 @@ class ServerSample:
     # what the server counted of ours.
     ours_done_before: int = 0
     ours_done: int = 0
+    # Others' finished requests by bucket of the server's histograms, (at least, at most):
+    # `others_by_bucket`. Not recorded in the trajectory's steps.
+    others_by_bucket: dict[str, tuple[int, int]] | None = None
 
     @property
     def others_done(self) -> tuple[int, int] | None:
@@ -124,6 +168,7 @@ class InFlightController:
     _last_preemptions: int | None = field(init=False, default=None)
     _queued_before: bool = field(init=False, default=False)
     _others_at_most: deque[int] = field(init=False, default_factory=lambda: deque(maxlen=OTHERS_WINDOW))
+    _bucket_at_most: dict[str, deque[int]] = field(init=False, default_factory=dict)
     _foreign_before: bool = field(init=False, default=False)
     _finished_before: bool = field(init=False, default=False)
     _online_seen: int | None = field(init=False, default=None)  # the last sample that saw online traffic
@@ -150,6 +195,8 @@ class InFlightController:
         finished requests stay counted."""
         done = s.others_done
         finished = done is not None and bool(self._others_at_most) and done[0] > min(self._others_at_most)
+        finished = finished or any(least > min(self._bucket_at_most[k]) for k, (least, _) in
+                                   (s.others_by_bucket or {}).items() if self._bucket_at_most.get(k))
         self._finished_before, before = finished, self._finished_before
         return (finished and before) or (s.foreign > 0 and self._foreign_before)
 
@@ -186,6 +233,8 @@ class InFlightController:
         self._queued_before = s.waiting > 0
         if s.others_done is not None:
             self._others_at_most.append(s.others_done[1])
+        for k, (_, most) in (s.others_by_bucket or {}).items():
+            self._bucket_at_most.setdefault(k, deque(maxlen=OTHERS_WINDOW)).append(most)
         self._foreign_before = s.foreign > 0
         self._last_preemptions = s.preemptions
         self._samples += 1
@@ -196,7 +245,10 @@ class InFlightController:
         if not self.adaptive:
             pass
         elif why and (self._since_backoff > self.hold or why == ["online_ttft"]):
-            self.limit = max(self.floor, self.limit // 2)
+            cut = self.limit // 2
+            if "online_ttft" in why and ttft:
+                cut = min(cut, int(self.limit * self.ttft_slo_ms / ttft))
+            self.limit = max(self.floor, cut)
             if set(why) != {"online_ttft"}:
                 self.threshold = self.limit
             self._since_backoff = 0
@@ -212,7 +264,8 @@ class InFlightController:
                 grown = self.limit + max(1, self.limit // 8)
             self.limit = min(self.max_in_flight, grown)
         if self.limit != before or self._samples % 4 == 1 or why or online:
-            self.steps.append({"t": t, "limit": self.limit, **{k: v for k, v in asdict(s).items() if v is not None},
+            self.steps.append({"t": t, "limit": self.limit, **{k: v for k, v in asdict(s).items()
+                                                               if v is not None and k != "others_by_bucket"},
                                "foreign": s.foreign, "online": online, **({"reasons": why} if why else {})})
         return self.limit
 

@@ -1,11 +1,12 @@
 """The in-flight policy against a simulated server: a scheduler with room for `capacity`
 requests, a latency curve, and online traffic that comes and goes."""
 
+from collections import Counter
 from dataclasses import dataclass, replace
 
 import pytest
 
-from pipeline.generation.policy.inflight import InFlightController, ServerSample
+from pipeline.generation.policy.inflight import InFlightController, ServerSample, others_by_bucket
 
 
 @dataclass
@@ -68,11 +69,13 @@ def test_online_load_brings_it_down_to_where_online_requests_meet_the_target_the
     assert c.limit == 64 and not c.online_present  # nobody else there: the target does not bind
     server.online, server.online_rate = 2, 2
     under = drive(c, server, 30)
-    # Seen in two samples running, then halved at each sample over the target, until it is met.
-    assert under[:4] == [64, 32, 16, 16]
-    # 50 + 10 x 18 = 230 ms, under the target: it grows by ones while the probe waits less
-    # than halfway from the least it waited (230 ms) to the target, and stops at 20 (270 ms).
-    assert under[-1] == 20 and set(under[3:]) <= {16, 17, 18, 19, 20} and c.online_present
+    # Seen in two samples running, then cut at each sample over the target, in proportion to
+    # the overshoot and at least by half, until it is met: 64 x 300 / 710 ms = 27, then
+    # halved (27 x 300 / 340 ms would be 23).
+    assert under[:4] == [64, 27, 13, 13]
+    # 50 + 10 x 15 = 200 ms, under the target: it grows by ones while the probe waits less
+    # than halfway from the least it waited (200 ms) to the target, and stops at 18 (250 ms).
+    assert under[-1] == 18 and set(under[3:]) <= set(range(13, 19)) and c.online_present
     assert under[3:] == sorted(under[3:]) and len(c.backoffs) == 2
     assert all(b["reasons"] == ["online_ttft"] for b in c.backoffs)
     server.online, server.online_rate = 0, 0
@@ -191,3 +194,48 @@ def test_a_fixed_concurrency_never_moves_but_still_records():
     server = SimServer(capacity=16, online=4, online_rate=2)
     assert set(drive(c, server, 30)) == {64}
     assert c.backoffs == [] and c.trajectory()["samples"] == 30 and c.steps
+
+
+def test_others_are_bracketed_bucket_by_bucket_exactly_where_none_of_ours_finish():
+    """Ours (prompts of 300-400 tokens) finish in the (200, 500] bucket, 3 of them while the
+    histograms were read; others' 12-token prompts land in (10, 20]."""
+    server = {"prompt_tokens": {10.0: 0, 20.0: 2, 500.0: 102, float("inf"): 102}}
+    before = {"prompt_tokens": Counter({300: 60, 400: 37})}
+    after = {"prompt_tokens": Counter({300: 62, 400: 38})}
+    got = others_by_bucket(server, before, after)
+    assert got["prompt_tokens<=20"] == (2, 2)  # exact: none of ours there
+    assert got["prompt_tokens<=500"] == (0, 3)  # ours in transit blur it
+    assert got["prompt_tokens<=10"] == (0, 0) and got["prompt_tokens<=inf"] == (0, 0)
+    # Ours whose counts are unknown (aborted) may be in any bucket: the least drops by them.
+    assert others_by_bucket(server, before, after, unknown=1)["prompt_tokens<=20"] == (1, 2)
+
+
+@pytest.mark.parametrize("by_bucket", [False, True])
+def test_one_online_request_in_a_bucket_of_its_own_is_seen_at_the_next_two_samples(by_bucket):
+    """140 of ours finish a second, 8 of them while each reading is taken: counted in total,
+    2 online requests a second hide among them for seconds. By bucket, the first is seen."""
+    c = InFlightController(max_in_flight=64, ttft_slo_ms=10_000, start=64)
+    ours = 0
+
+    def sample(online_done: int) -> None:
+        nonlocal ours
+        before, ours = ours, ours + 70
+        server_ours = before + 4  # the server counted some of those finishing while it was read
+        hist = {"prompt_tokens": {20.0: online_done, 500.0: online_done + server_ours,
+                                  float("inf"): online_done + server_ours}}
+        buckets = others_by_bucket(hist, {"prompt_tokens": Counter({300: before})},
+                                   {"prompt_tokens": Counter({300: before + 8})})
+        c.observe(ServerSample(
+            waiting=0, running=64, preemptions=0, in_flight=64, server_done=server_ours + online_done,
+            ours_done_before=before, ours_done=before + 8, others_by_bucket=buckets if by_bucket else None))
+
+    for _ in range(20):
+        sample(0)
+        assert not c.online_present
+    sample(1)
+    assert not c.online_present  # once could be a reading off
+    sample(1)
+    assert c.online_present == by_bucket
+    sample(2)
+    sample(2)
+    assert c.online_present == by_bucket  # in total, 2 of others' are inside the blur of 8

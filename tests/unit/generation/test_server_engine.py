@@ -311,3 +311,43 @@ def test_the_api_key_comes_from_the_environment_and_a_missing_one_is_named(monke
     monkeypatch.delenv("TEST_LLM_KEY")
     with pytest.raises(RuntimeError, match=r"engine.server.api_key_env: \$TEST_LLM_KEY is not set"):
         engine(FakeServer(), api_key_env="TEST_LLM_KEY")
+
+
+def test_others_finished_requests_are_told_from_ours_by_the_servers_histograms():
+    """The server keeps histograms of finished requests' prompt and generated tokens (and
+    here no total count): ours go in by the counts its answers gave, so ours are never taken
+    for others', and one request of someone else's is seen."""
+    server = FakeServer()
+    finished: list[tuple[int, int]] = []  # (prompt tokens, generated tokens), the server's view
+
+    def histogram(name: str, values: list[int]) -> str:
+        lines = [f"# TYPE vllm:{name} histogram"]
+        for le in (1, 2, 5, 10, 20, 50, 100, float("inf")):
+            label = "+Inf" if le == float("inf") else f"{le:.1f}"
+            lines.append(f'vllm:{name}_bucket{{engine="0",le="{label}"}} {sum(v <= le for v in values)}.0')
+        return "\n".join(lines) + "\n"
+
+    def metrics(request):
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text=histogram("request_prompt_tokens", [p for p, _ in finished])
+                                  + histogram("request_generation_tokens", [g for _, g in finished]))
+        response = server(request)
+        if request.url.path == "/v1/completions" and response.status_code == 200:
+            finished.append((len(json.loads(request.content)["prompt"]), 2))
+        return response
+
+    e = ServerEngine(ServerSettings(url="http://srv:8000", model="m", metrics_interval_s=0.02, probe_every_s=0,
+                                    max_in_flight=8), CharTokenizer(), httpx.MockTransport(metrics))
+    try:
+        results = run(e, [[7] * 30 for _ in range(200)])
+        assert all(r is not None and r.error is None for r in results)
+        time.sleep(0.3)
+        assert not e.controller.online_present
+        assert not any(s.get("online") for s in e.controller.steps)
+        finished.append((12, 8))  # someone else's
+        deadline = time.monotonic() + 5
+        while not e.controller.online_present and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert e.controller.online_present
+    finally:
+        e.close()
