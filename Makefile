@@ -28,7 +28,7 @@ PROFILE ?= conf/local-real.yaml
 # there); 8 of the 24 documents pass it and come out truncated, flagged.
 RUN_SETS ?= --set sampling.max_new_tokens=64 --set engine.max_model_len=1024
 
-.PHONY: setup run run-tiny test test-tools bench bench-real bench-repeated bench-timeline bench-batching bench-merge bench-nightly bench-reuse-lookup bench-scale bench-resume bench-s3 bench-metrics bench-transformers bench-server gpu-check clean
+.PHONY: setup run run-tiny test test-tools bench bench-real bench-repeated bench-timeline bench-batching bench-merge bench-nightly bench-reuse-lookup bench-scale bench-resume bench-s3 bench-metrics bench-transformers bench-server bench-server-frontier gpu-check clean
 
 setup: $(STAMP)
 
@@ -149,3 +149,6 @@ clean:
 # (bench/server_load.py; results in bench/results/server_load.*).
 bench-server: $(STAMP)
 	$(BIN)/python -m bench.server_load
+
+bench-server-frontier: $(STAMP)
+	$(BIN)/python -m bench.server_load --frontier 1,2,4,8,16,32,64

@@ -17,6 +17,12 @@ the job at least half its throughput alone.
     .venv/bin/python -m bench.server_load [--rows 4000] [--rate 2] [--alone-s 30]
 
 Results go to bench/results/server_load.{md,json,png}.
+
+`--frontier 1,2,4,...` measures instead what any policy could reach on this machine: after
+1 and 2, the job at each fixed number in flight with the online load, sized to generate for
+about `--frontier-s` seconds. Each point is one (online P99 ÷ alone, job throughput ÷ alone)
+pair; a policy that holds the job at a mix of limits lands near the line between them.
+Results go to bench/results/server_frontier.{md,json,png}.
 """
 
 from __future__ import annotations
@@ -54,7 +60,7 @@ def metric(url: str, name: str) -> float:
 
 
 def job(url: str, corpus: Path, out: Path, feedback: bool, rate: float | None, max_tokens: int,
-        slo_ms: float) -> dict[str, Any]:
+        slo_ms: float, in_flight: int | None = None) -> dict[str, Any]:
     """One run of the job through the CLI, with the online load at `rate` while it generates.
     The job's processes keep to the CPUs the server's worker is not bound to (JOB_CPUS), as
     on a host of its own."""
@@ -62,6 +68,8 @@ def job(url: str, corpus: Path, out: Path, feedback: bool, rate: float | None, m
            "--input", str(corpus), "--output", str(out), "--set", f"engine.server.url={url}",
            "--set", f"sampling.max_new_tokens={max_tokens}", "--set", f"engine.server.feedback={str(feedback).lower()}",
            "--set", f"engine.server.ttft_slo_ms={slo_ms}"]
+    if in_flight is not None:
+        cmd += ["--set", f"engine.server.max_in_flight={in_flight}"]
     log = out.with_suffix(".log")
     with log.open("w") as f:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
@@ -187,6 +195,67 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def frontier_markdown(results: dict[str, Any]) -> str:
+    alone, solo = results["online_alone"], results["job_alone"]
+    m = results["machine"]
+    flags = ", ".join(f for f in m["cpu_flags"] if f.startswith(("avx", "amx")))
+    lines = [
+        "# What any policy could reach: the job at fixed numbers in flight beside online traffic",
+        "",
+        f"`make bench-server-frontier`. Commit {results['commit']}, {results['date']}. Machine: {m['cpu']}, "
+        f"{m['cores']} cores, {m['memory_gib']} GiB; CPU flags {flags}. The server and online load as in "
+        f"[server_load.md](server_load.md) ({results['rate']:g} online requests/s, priority 0, 8 new tokens; the job "
+        f"{results['max_tokens']} new tokens a row); the job at each fixed number in flight "
+        f"(`engine.server.feedback: false`), with rows for about {results['frontier_s']:g} s of generating. "
+        f"Online alone: P99 {alone['ttft_p99_s'] * 1000:.0f} ms; the job alone (feedback): "
+        f"{solo['output_tokens_per_s_generating']:,.0f} output tok/s.",
+        "",
+        "| in flight | rows | online requests | online TTFT P50 | P99 | P99 ÷ alone | job output tok/s | ÷ job alone | both goals |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |",
+    ]
+    for p in results["frontier"]:
+        o = p["online"]
+        ratio = o["ttft_p99_s"] / alone["ttft_p99_s"]
+        share = p["output_tokens_per_s_generating"] / solo["output_tokens_per_s_generating"]
+        met = ratio <= GOAL_TTFT_RATIO and share >= GOAL_THROUGHPUT_SHARE
+        lines.append(f"| {p['in_flight']} | {p['rows']:,} | {o['requests']} | {o['ttft_p50_s'] * 1000:.0f} ms | "
+                     f"{o['ttft_p99_s'] * 1000:.0f} ms | {ratio:.2f} | {p['output_tokens_per_s_generating']:,.0f} | "
+                     f"{share:.2f} | {'yes' if met else 'no'} |")
+    lines += ["", "![online P99 against the job's throughput](server_frontier.png)", ""]
+    return "\n".join(lines)
+
+
+def plot_frontier(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    alone, solo = results["online_alone"]["ttft_p99_s"], results["job_alone"]["output_tokens_per_s_generating"]
+    pts = results["frontier"]
+    x = [p["output_tokens_per_s_generating"] / solo for p in pts]
+    y = [p["online"]["ttft_p99_s"] / alone for p in pts]
+    fig, ax = plt.subplots(figsize=(7, 5))
+    ax.plot(x, y, "o-", label="the job at a fixed number in flight")
+    for p, xi, yi in zip(pts, x, y):
+        ax.annotate(str(p["in_flight"]), (xi, yi), textcoords="offset points", xytext=(5, 5), fontsize=8)
+    ax.fill_between([GOAL_THROUGHPUT_SHARE, max(1.3, max(x) * 1.05)], 0, GOAL_TTFT_RATIO, color="tab:green",
+                    alpha=0.15, label="both goals (issue 29)")
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_xlabel("job output tok/s ÷ the job alone")
+    ax.set_ylabel("online TTFT P99 ÷ online alone")
+    ax.set_yscale("log")
+    ax.set_xlim(0, max(1.3, max(x) * 1.05))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    m = results["machine"]
+    ax.set_title(f"{results['rate']:g} online requests/s beside the job on one vLLM CPU server\n"
+                 f"({m['cpu']}, {m['cores']} cores)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=4000)
@@ -196,18 +265,23 @@ def main() -> None:
     parser.add_argument("--server-step-tokens", type=int, default=None,
                         help="the server's --max-num-batched-tokens (default: vLLM's): a smaller budget cuts the "
                              "job's prefills into shorter steps for online requests to wait behind")
-    parser.add_argument("--out", default=str(REPO / "bench/results/server_load"))
+    parser.add_argument("--frontier", default=None,
+                        help="comma-separated numbers in flight: measure the job at each, fixed, beside the online load")
+    parser.add_argument("--frontier-s", type=float, default=60.0, help="seconds of generating per frontier point")
+    parser.add_argument("--out", default=None, help="default: bench/results/server_load (server_frontier)")
     args = parser.parse_args()
 
     from pipeline.models.tiny import cached_tiny_model, ensure_tiny_model
     from pipeline.tools.dev.corpus import make_corpus
     import pyarrow.parquet as pq
 
+    frontier = [int(c) for c in args.frontier.split(",")] if args.frontier else None
+    out = Path(args.out or REPO / "bench/results" / ("server_frontier" if frontier else "server_load"))
     model = ensure_tiny_model(cached_tiny_model("tiny"), seed=0)
     os.sched_setaffinity(0, SERVER_CPUS)  # the server started below, and the online client, inherit it
     results: dict[str, Any] = {"commit": git_commit(), "date": time.strftime("%Y-%m-%d"), "machine": describe(),
                                "rows": args.rows, "rate": args.rate, "max_tokens": args.max_tokens,
-                               "server_step_tokens": args.server_step_tokens}
+                               "server_step_tokens": args.server_step_tokens, "frontier_s": args.frontier_s}
     with tempfile.TemporaryDirectory() as tmp:
         corpus = Path(tmp) / "corpus.parquet"
         pq.write_table(make_corpus(args.rows, seed=5), corpus)
@@ -224,15 +298,36 @@ def main() -> None:
             print("online alone:", {k: v for k, v in results["online_alone"].items() if k != "points"}, flush=True)
             # The online target: what the goal allows, 1.2x the online P99 alone.
             slo_ms = results["slo_ms"] = round(GOAL_TTFT_RATIO * results["online_alone"]["ttft_p99_s"] * 1000, 1)
-            for key, feedback, rate in (("job_alone", True, None), ("fixed", False, args.rate),
-                                        ("feedback", True, args.rate)):
+            cases = [("job_alone", True, None)]
+            if frontier is None:
+                cases += [("fixed", False, args.rate), ("feedback", True, args.rate)]
+            for key, feedback, rate in cases:
                 results[key] = job(url, corpus, Path(tmp) / key, feedback, rate, args.max_tokens, slo_ms)
                 print(key, {k: v for k, v in results[key].items() if k not in ("trajectory", "online")},
                       {k: v for k, v in results[key].get("online", {}).items() if k != "points"}, flush=True)
+            if frontier is not None:
+                results["frontier"] = []
+                rows_per_s = results["job_alone"]["output_tokens_per_s_generating"] / args.max_tokens
+                for c in frontier:
+                    # Rows for about frontier_s of generating: the throughput alone, scaled by
+                    # the share of the cap in use (square root: a step's time grows with its batch).
+                    rows = max(100, min(args.rows, int(rows_per_s * args.frontier_s * min(1.0, (c / 64) ** 0.5))))
+                    part = Path(tmp) / f"corpus-{c}.parquet"
+                    pq.write_table(pq.read_table(corpus).slice(0, rows), part)
+                    point = job(url, part, Path(tmp) / f"fixed-{c}", False, args.rate, args.max_tokens, slo_ms,
+                                in_flight=c)
+                    point.update(in_flight=c, rows=rows)
+                    results["frontier"].append(point)
+                    print("frontier", c, {k: v for k, v in point.items() if k not in ("trajectory", "online")},
+                          {k: v for k, v in point["online"].items() if k != "points"}, flush=True)
         finally:
             stop_server(server)
-    out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
+    if frontier is not None:
+        plot_frontier(results, out.with_suffix(".png"))
+        out.with_suffix(".md").write_text(frontier_markdown(results))
+        print(frontier_markdown(results))
+        return
     plot(results, out.with_suffix(".png"))
     out.with_suffix(".md").write_text(markdown(results))
     print(markdown(results))

@@ -278,8 +278,9 @@ class ServerConfig(_Section):
         "traffic is there, the job backs off when a probe at the online priority waits longer for its first "
         "token (with no one else there: when ours do).")
     probe_every_s: float = Field(
-        1.0, ge=0, description="Send a one-token probe at `online_priority` this often, to measure what an "
-        "online request waits now (0: none; the job's own time to first token stands in).")
+        1.0, ge=0, description="Send a one-token probe at `online_priority` this often (and at every reading of "
+        "/metrics while online traffic is there), to measure what an online request waits now (0: none; the "
+        "job's own time to first token stands in).")
     online_priority: int = Field(0, description="The priority the server's online requests have (the probe's).")
     priority: int = Field(
         10, description="vLLM's request priority (under --scheduling-policy priority lower runs first; "

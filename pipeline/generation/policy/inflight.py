@@ -41,7 +41,11 @@ last step). All undercount others' rather than mistake ours for them.
   P99 alone) leaves little room, and "under half the target" could then never hold: the
   job sat at its floor. Growth is by half again up to the threshold, by an eighth (at
   least one) past it and while online traffic is there (TCP's congestion avoidance: each
-  overshoot costs online requests their target). A capacity back-off sets the threshold
+  overshoot costs online requests their target). While online traffic is there, a growth
+  waits for `hold` clear samples after the last: the requests it lets in reach the
+  server's steps, and the probe's reading, a sample or so later, and growing at every
+  sample overshot (2026-12-06: a sawtooth from 4 to 20 and back every 10-15 s, each peak
+  costing online requests their target). A capacity back-off sets the threshold
   to the halved limit, so the limit closes in on the level that hurt instead of jumping
   past it (TCP's slow-start threshold); an online_ttft back-off leaves it, so the job
   climbs back quickly once online traffic has gone.
@@ -263,6 +267,8 @@ class InFlightController:
             else:
                 grown = self.limit + max(1, self.limit // 8)
             self.limit = min(self.max_in_flight, grown)
+            if online:  # the next growth waits until the probe has measured this one
+                self._clear = 0
         if self.limit != before or self._samples % 4 == 1 or why or online:
             self.steps.append({"t": t, "limit": self.limit, **{k: v for k, v in asdict(s).items()
                                                                if v is not None and k != "others_by_bucket"},

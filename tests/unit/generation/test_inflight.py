@@ -87,8 +87,12 @@ def test_online_load_brings_it_down_to_where_online_requests_meet_the_target_the
 def test_with_headroom_it_grows_under_online_traffic_too():
     c = InFlightController(max_in_flight=64, ttft_slo_ms=2000, start=4)
     server = SimServer(capacity=128, online=2, online_rate=2)
-    limits = drive(c, server, 40)
+    limits = drive(c, server, 80)
     assert c.online_present and limits[-1] == 64 and c.backoffs == []  # 50 + 10 x 66 < 1000
+    # By an eighth (at least one) at a time, and while online traffic is there a growth
+    # waits 2 samples (the hold) after the last: the probe measures each step first.
+    grew = [i for i in range(1, len(limits)) if limits[i] > limits[i - 1]]
+    assert min(b - a for a, b in zip(grew, grew[1:])) == 2
 
 
 def test_a_target_just_above_what_online_requests_wait_alone_still_leaves_room_to_grow():
