@@ -111,10 +111,12 @@ def committed_rows(out: Path) -> int:
     return total
 
 
-def wait_for(what: str, check: Callable[[], object], proc: subprocess.Popen, timeout_s: float = 240,
+def wait_for(what: str, check: Callable[[], object], proc: subprocess.Popen, timeout_s: float = 600,
              explain: Callable[[], str] | None = None) -> object:
     """`check()`'s first true answer, polled while the run lives; a failure says why, with
-    `explain()`'s account of what the check last saw where one is given."""
+    `explain()`'s account of what the check last saw where one is given. The limit only
+    bounds a run that neither gets there nor ends: 240 s was passed on 2026-12-06, a slow
+    day, by a run whose engine took 3.5 minutes to start beside the suite's other worker."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         found = check()

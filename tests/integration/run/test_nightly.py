@@ -166,7 +166,7 @@ def test_a_night_whose_every_row_is_reused_starts_no_engine(nights, ray_tmp):
                 pass
         return proc.poll() is not None
 
-    wait_for("the run's end", seen, proc, timeout_s=300)
+    wait_for("the run's end", seen, proc)
     assert proc.returncode == 0, (tmp / "night3.log").read_text()[-3000:]
     assert not any("EngineCore" in n for n in names), names
     output = tmp / "out" / "dt=2026-11-03"
