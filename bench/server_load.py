@@ -149,10 +149,15 @@ def plot(results: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def vector_flags(machine: dict[str, Any]) -> str:
+    """The CPU flags a speed depends on (AVX, AMX), for the results' header."""
+    return ", ".join(f for f in machine["cpu_flags"] if f.startswith(("avx", "amx")))
+
+
 def markdown(results: dict[str, Any]) -> str:
     alone, solo = results["online_alone"], results["job_alone"]
     m = results["machine"]
-    flags = ", ".join(f for f in m["cpu_flags"] if f.startswith(("avx", "amx")))
+    flags = vector_flags(m)
     budget = f", step budget {results['server_step_tokens']} tokens" if results.get("server_step_tokens") else ""
     lines = [
         "# The job on a live server beside online traffic (`make bench-server`)",
@@ -198,7 +203,7 @@ def markdown(results: dict[str, Any]) -> str:
 def frontier_markdown(results: dict[str, Any]) -> str:
     alone, solo = results["online_alone"], results["job_alone"]
     m = results["machine"]
-    flags = ", ".join(f for f in m["cpu_flags"] if f.startswith(("avx", "amx")))
+    flags = vector_flags(m)
     lines = [
         "# What any policy could reach: the job at fixed numbers in flight beside online traffic",
         "",
@@ -284,7 +289,8 @@ def main() -> None:
                                "server_step_tokens": args.server_step_tokens, "frontier_s": args.frontier_s}
     with tempfile.TemporaryDirectory() as tmp:
         corpus = Path(tmp) / "corpus.parquet"
-        pq.write_table(make_corpus(args.rows, seed=5), corpus)
+        table = make_corpus(args.rows, seed=5)
+        pq.write_table(table, corpus)
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         server = start_vllm_server(model, port, Path(tmp) / "server.log",
@@ -313,7 +319,7 @@ def main() -> None:
                     # the share of the cap in use (square root: a step's time grows with its batch).
                     rows = max(100, min(args.rows, int(rows_per_s * args.frontier_s * min(1.0, (c / 64) ** 0.5))))
                     part = Path(tmp) / f"corpus-{c}.parquet"
-                    pq.write_table(pq.read_table(corpus).slice(0, rows), part)
+                    pq.write_table(table.slice(0, rows), part)
                     point = job(url, part, Path(tmp) / f"fixed-{c}", False, args.rate, args.max_tokens, slo_ms,
                                 in_flight=c)
                     point.update(in_flight=c, rows=rows)

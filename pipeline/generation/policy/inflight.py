@@ -70,7 +70,7 @@ import time
 from bisect import bisect_left
 from collections import Counter, deque
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 # Samples: others' finished requests are compared with the count this many samples back.
@@ -149,6 +149,12 @@ class ServerSample:
         return self.server_done - self.ours_done, self.server_done - self.ours_done_before
 
     @property
+    def brackets(self) -> dict[str, tuple[int, int]]:
+        """Others' finished requests, (at least, at most): in total ("all") and by bucket."""
+        done = self.others_done
+        return {**(self.others_by_bucket or {}), **({"all": done} if done is not None else {})}
+
+    @property
     def foreign(self) -> int:
         """Requests on the server that are not ours (a lower bound): its gauges are as of its
         last step, which may still count ours that finished in it."""
@@ -171,8 +177,8 @@ class InFlightController:
     _clear: int = field(init=False, default=0)  # samples in a row with no reason to back off
     _last_preemptions: int | None = field(init=False, default=None)
     _queued_before: bool = field(init=False, default=False)
-    _others_at_most: deque[int] = field(init=False, default_factory=lambda: deque(maxlen=OTHERS_WINDOW))
-    _bucket_at_most: dict[str, deque[int]] = field(init=False, default_factory=dict)
+    # Each bracket's most (ServerSample.brackets), over the last OTHERS_WINDOW samples.
+    _at_most: dict[str, deque[int]] = field(init=False, default_factory=dict)
     _foreign_before: bool = field(init=False, default=False)
     _finished_before: bool = field(init=False, default=False)
     _online_seen: int | None = field(init=False, default=None)  # the last sample that saw online traffic
@@ -197,10 +203,7 @@ class InFlightController:
         in a row. Two, because a reading can be off once: our streams slow to catch up (a
         loaded machine) leave ours undercounted for a sample, never for good, while others'
         finished requests stay counted."""
-        done = s.others_done
-        finished = done is not None and bool(self._others_at_most) and done[0] > min(self._others_at_most)
-        finished = finished or any(least > min(self._bucket_at_most[k]) for k, (least, _) in
-                                   (s.others_by_bucket or {}).items() if self._bucket_at_most.get(k))
+        finished = any(least > min(self._at_most[k]) for k, (least, _) in s.brackets.items() if self._at_most.get(k))
         self._finished_before, before = finished, self._finished_before
         return (finished and before) or (s.foreign > 0 and self._foreign_before)
 
@@ -235,10 +238,8 @@ class InFlightController:
         if ttft is not None:
             self._online_ttfts.append(ttft)
         self._queued_before = s.waiting > 0
-        if s.others_done is not None:
-            self._others_at_most.append(s.others_done[1])
-        for k, (_, most) in (s.others_by_bucket or {}).items():
-            self._bucket_at_most.setdefault(k, deque(maxlen=OTHERS_WINDOW)).append(most)
+        for k, (_, most) in s.brackets.items():
+            self._at_most.setdefault(k, deque(maxlen=OTHERS_WINDOW)).append(most)
         self._foreign_before = s.foreign > 0
         self._last_preemptions = s.preemptions
         self._samples += 1
@@ -270,7 +271,7 @@ class InFlightController:
             if online:  # the next growth waits until the probe has measured this one
                 self._clear = 0
         if self.limit != before or self._samples % 4 == 1 or why or online:
-            self.steps.append({"t": t, "limit": self.limit, **{k: v for k, v in asdict(s).items()
+            self.steps.append({"t": t, "limit": self.limit, **{k: v for k, v in vars(s).items()
                                                                if v is not None and k != "others_by_bucket"},
                                "foreign": s.foreign, "online": online, **({"reasons": why} if why else {})})
         return self.limit
