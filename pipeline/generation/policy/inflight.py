@@ -35,33 +35,43 @@ last step). All undercount others' rather than mistake ours for them.
 - Grow when no reason has been seen for `hold` samples in a row, nothing waits, our
   requests filled the limit (a limit we did not use says nothing about whether the
   server could take more), and, while online traffic is there, an online request has
-  headroom: it waits less than halfway from the least it waited lately (the lowest of the
-  last BASELINE_WINDOW readings: what the server gives it with little of ours in flight)
-  to the target. A target set just above what online requests wait anyway (1.2x their
-  P99 alone) leaves little room, and "under half the target" could then never hold: the
-  job sat at its floor. Growth is by half again up to the threshold, by an eighth (at
-  least one) past it and while online traffic is there (TCP's congestion avoidance: each
-  overshoot costs online requests their target). While online traffic is there, a growth
-  waits for `hold` clear samples after the last: the requests it lets in reach the
-  server's steps, and the probe's reading, a sample or so later, and growing at every
-  sample overshot (2026-12-06: a sawtooth from 4 to 20 and back every 10-15 s, each peak
-  costing online requests their target). A capacity back-off sets the threshold
-  to the halved limit, so the limit closes in on the level that hurt instead of jumping
-  past it (TCP's slow-start threshold); an online_ttft back-off leaves it, so the job
-  climbs back quickly once online traffic has gone.
+  headroom: it waited less than three quarters of the way from the least it waited
+  lately (the lowest of the last BASELINE_WINDOW readings: what the server gives it with
+  little of ours in flight) to the target, now and at each reading since the limit last
+  changed (up to CEILING_PATIENCE of them). A target set just above what online requests
+  wait anyway (1.2x their P99 alone) leaves little room, and "under half the target"
+  could then never hold: the job sat at its floor. One reading says little, though: an
+  online request waits for the step in progress, a random share of it, so the probe's
+  readings at one limit spread over 2x, and growth on one low reading climbed until a
+  high one passed the target. Growth is by half again up to the threshold, by an eighth
+  (at least one) past it and while online traffic is there (TCP's congestion avoidance:
+  each overshoot costs online requests their target). While online traffic is there, a
+  growth waits for `hold` clear samples after the last: the requests it lets in reach
+  the server's steps, and the probe's reading, a sample or so later. A capacity back-off
+  sets the threshold to the halved limit, so the limit closes in on the level that hurt
+  instead of jumping past it (TCP's slow-start threshold); an online_ttft back-off
+  leaves it, so the job climbs back quickly once online traffic has gone.
+- An online_ttft back-off sets the `online_ceiling` to the limit it cut: while online
+  traffic is there, growth stops one short of it until CEILING_PATIENCE samples in a row
+  have been clear since the last growth, and a growth past it raises it. Without it the
+  limit climbed back to the level that hurt, again and again (2026-12-06: a sawtooth from
+  4 to 20 and back every 10-15 s, 2.8-7.5% of online requests over the target, a P99 past
+  it). Online traffic gone, it is forgotten.
 
 What an online request waits is the probe's time to first token where the engine sends
 probes (`probing`): a sample without a probe's reading says nothing of it, neither back-off
 nor headroom. Ours are no measure there: they run at the job's lower priority and wait
 behind online requests and each other. Without probes, ours are the measure.
 
-Oscillation bound (capacity reasons; online_ttft back-offs follow the online load). Under
-steady conditions where a capacity reason fires once the limit reaches some level L,
-after its first back-off the limit stays within [L/2, L + max(1, L/8)] and backs off at
-most once every `hold` + 1 samples: a back-off halves a limit of at least L (at most
-1.5 L on the first climb), and growth nears L from below in steps of at most an eighth
-and stops while anything waits. Tested against a simulated server in
-tests/unit/generation/test_inflight.py.
+Oscillation bounds. Capacity reasons: under steady conditions where one fires once the
+limit reaches some level L, after its first back-off the limit stays within
+[L/2, L + max(1, L/8)] and backs off at most once every `hold` + 1 samples: a back-off
+halves a limit of at least L (at most 1.5 L on the first climb), and growth nears L from
+below in steps of at most an eighth and stops while anything waits. Online traffic: where
+an online request passes the target once ours reach L, after a back-off there the limit
+stays below L, and reaches L again (to back off once more) at most once every
+CEILING_PATIENCE + 1 samples. Tested against simulated servers in
+tests/unit/generation/test_inflight.py, one with a probe as noisy as the bench's.
 """
 
 from __future__ import annotations
@@ -83,6 +93,10 @@ from typing import Any
 OTHERS_WINDOW = 16
 ONLINE_MEMORY = 4  # samples: online traffic seen this recently is still there
 BASELINE_WINDOW = 120  # readings of an online request's time to first token: the least of these is its baseline
+# Samples clear of reasons, with headroom, before the limit may reach again the level at
+# which an online request last passed the target (10 s at the default 0.5 s interval);
+# also the most readings that headroom is judged on.
+CEILING_PATIENCE = 20
 
 
 def others_by_bucket(server: Mapping[str, Mapping[float, float]], ours_before: Mapping[str, Counter[int]],
@@ -184,6 +198,11 @@ class InFlightController:
     _online_seen: int | None = field(init=False, default=None)  # the last sample that saw online traffic
     online_present: bool = field(init=False, default=False)  # as of the last sample
     threshold: int | None = field(init=False, default=None)  # growth is by an eighth from here on
+    # The limit at which an online request last passed the target: kept while online
+    # traffic is there, and reached again only after CEILING_PATIENCE clear samples.
+    online_ceiling: int | None = field(init=False, default=None)
+    # An online request's time to first token at the readings since the limit last changed (the last few).
+    _since_change: deque[float] = field(init=False)
     _online_ttfts: deque[float] = field(init=False, default_factory=lambda: deque(maxlen=BASELINE_WINDOW))
     _samples: int = field(init=False, default=0)
     _t0: float = field(init=False, default_factory=time.monotonic)
@@ -195,6 +214,7 @@ class InFlightController:
     def __post_init__(self) -> None:
         self.floor = max(1, min(self.floor, self.max_in_flight))
         self.limit = max(self.floor, min(self.start, self.max_in_flight))
+        self._since_change = deque(maxlen=CEILING_PATIENCE)
 
     def online(self, s: ServerSample) -> bool:
         """Others' requests are on the server: it finished more of them than it had, for
@@ -237,6 +257,9 @@ class InFlightController:
         why = self.reasons(s, online, ttft)
         if ttft is not None:
             self._online_ttfts.append(ttft)
+            self._since_change.append(ttft)
+        if not online:
+            self.online_ceiling = None
         self._queued_before = s.waiting > 0
         for k, (_, most) in s.brackets.items():
             self._at_most.setdefault(k, deque(maxlen=OTHERS_WINDOW)).append(most)
@@ -256,6 +279,8 @@ class InFlightController:
             self.limit = max(self.floor, cut)
             if set(why) != {"online_ttft"}:
                 self.threshold = self.limit
+            if "online_ttft" in why:
+                self.online_ceiling = before
             self._since_backoff = 0
             if self.limit != before:
                 self.backoffs.append({"t": t, "from": before, "to": self.limit, "reasons": why,
@@ -267,9 +292,16 @@ class InFlightController:
                 grown = min(self.limit + max(1, self.limit // 2), self.threshold or self.max_in_flight)
             else:
                 grown = self.limit + max(1, self.limit // 8)
+            if online and self.online_ceiling is not None and grown >= self.online_ceiling:
+                if self._clear >= CEILING_PATIENCE:
+                    self.online_ceiling = grown  # clear for long enough: the ceiling rises with it
+                else:
+                    grown = max(self.limit, self.online_ceiling - 1)
             self.limit = min(self.max_in_flight, grown)
-            if online:  # the next growth waits until the probe has measured this one
+            if online and self.limit != before:  # the next growth waits until the probe has measured this one
                 self._clear = 0
+        if self.limit != before:
+            self._since_change.clear()
         if self.limit != before or self._samples % 4 == 1 or why or online:
             self.steps.append({"t": t, "limit": self.limit, **{k: v for k, v in vars(s).items()
                                                                if v is not None and k != "others_by_bucket"},
@@ -277,17 +309,21 @@ class InFlightController:
         return self.limit
 
     def _headroom(self, ttft: float | None) -> bool:
-        """Online traffic is there, and an online request now waits (`ttft`) less than
-        halfway from the least it waited lately to the target (module docstring)."""
+        """Online traffic is there, and an online request waited less than three quarters
+        of the way from the least it waited lately to the target, now (`ttft`) and at each
+        reading since the limit last changed (up to CEILING_PATIENCE of them: module
+        docstring)."""
         if ttft is None:
             return False
+        worst = max(ttft, *self._since_change)
         least = min(min(self._online_ttfts, default=ttft), self.ttft_slo_ms)
-        return ttft < least + (self.ttft_slo_ms - least) / 2
+        return worst < least + (self.ttft_slo_ms - least) * 3 / 4
 
     def trajectory(self) -> dict[str, Any]:
         """The limit over time (each change, each sample with a reason, and every 4th sample),
         the back-offs with their reasons, and where it stands."""
         return {"started_at": round(self.started_at, 3), "limit": self.limit, "threshold": self.threshold,
+                "online_ceiling": self.online_ceiling,
                 "max_in_flight": self.max_in_flight, "ttft_slo_ms": self.ttft_slo_ms,
                 "samples": self._samples, "peak_in_flight": self.peak_in_flight,
                 "steps": list(self.steps), "backoffs": list(self.backoffs)}
