@@ -112,6 +112,24 @@ def online_summary(load: OnlineLoad) -> dict[str, Any]:
             "points": [{"t": round(load.started_at + r["t"], 3), "ttft_s": r["ttft_s"]} for r in load.results]}
 
 
+def after_seen(r: dict[str, Any], slo_ms: float) -> dict[str, Any] | None:
+    """How the policy did once it saw the online load: when it saw it (seconds after the
+    load's first request, and how many online requests came before), then how many online
+    requests waited past the target, and the limit's mean over the readings from then on.
+    None where the trajectory never flagged online traffic."""
+    points, steps = r["online"]["points"], r["trajectory"]
+    t0 = min(p["t"] for p in points)
+    seen = next((s["t"] for s in steps if s["online"] and s["t"] >= t0), None)
+    if seen is None:
+        return None
+    after = [p for p in points if p["t"] >= seen and p["ttft_s"] is not None]
+    over = sum(1 for p in after if p["ttft_s"] * 1000 > slo_ms)
+    limits = [s["limit"] for s in steps if s["t"] >= seen]
+    return {"seen_after_s": round(seen - t0, 1), "online_before": sum(1 for p in points if p["t"] < seen),
+            "online_after": len(after), "over_target": over, "over_share": round(over / max(1, len(after)), 4),
+            "mean_limit_after": round(sum(limits) / len(limits), 1)}
+
+
 def plot(results: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -195,10 +213,15 @@ def markdown(results: dict[str, Any]) -> str:
         f"Goals under feedback: online P99 within {GOAL_TTFT_RATIO}x of alone: **{ratio:.2f}x, "
         f"{'met' if ratio <= GOAL_TTFT_RATIO else 'missed'}**; at least {GOAL_THROUGHPUT_SHARE:.0%} of the job's "
         f"throughput alone: **{share:.2f}, {'met' if share >= GOAL_THROUGHPUT_SHARE else 'missed'}**.",
-        "",
-        "![in flight and online latency](server_load.png)",
-        "",
     ]
+    seen = after_seen(fb, results["slo_ms"])
+    if seen is not None:
+        lines.append(
+            f"Under feedback the online load was seen {seen['seen_after_s']:g} s after its first request "
+            f"({seen['online_before']} online requests before); from then on {seen['over_target']} of "
+            f"{seen['online_after']} online requests ({seen['over_share']:.1%}) waited longer than the target, and "
+            f"the limit averaged {seen['mean_limit_after']:g}.")
+    lines += ["", "![in flight and online latency](server_load.png)", ""]
     return "\n".join(lines)
 
 
@@ -319,6 +342,8 @@ def main() -> None:
                 cases += [("fixed", False, args.rate), ("feedback", True, args.rate)]
             for key, feedback, rate in cases:
                 results[key] = job(url, corpus, Path(tmp) / key, feedback, rate, args.max_tokens, slo_ms)
+                if rate:
+                    results[key]["after_seen"] = after_seen(results[key], slo_ms)
                 print(key, {k: v for k, v in results[key].items() if k not in ("trajectory", "online")},
                       {k: v for k, v in results[key].get("online", {}).items() if k != "points"}, flush=True)
             if frontier is not None:

@@ -1,7 +1,7 @@
 """`make bench-server-frontier`'s table and plot: each fixed limit's online P99 and job
 throughput against alone, and whether a point meets both of issue 29's goals."""
 
-from bench.server_load import frontier_markdown, plot_frontier
+from bench.server_load import after_seen, frontier_markdown, plot_frontier
 
 
 def point(in_flight: int, p99_s: float, tok_s: float) -> dict:
@@ -25,3 +25,17 @@ def test_each_limit_is_a_row_and_a_point_and_says_whether_it_meets_both_goals(tm
     png = tmp_path / "frontier.png"
     plot_frontier(results, png)
     assert png.stat().st_size > 10_000
+
+
+def test_after_the_load_is_seen_it_counts_the_online_requests_over_the_target_and_the_mean_limit():
+    """The load's first request at t=100; the policy flags it at 101.5 (two requests sent
+    before); of the three after, one waits past the 50 ms target."""
+    online = {"points": [{"t": 100.0, "ttft_s": 0.2}, {"t": 100.5, "ttft_s": 0.2}, {"t": 101.5, "ttft_s": 0.04},
+                         {"t": 102.0, "ttft_s": 0.06}, {"t": 102.5, "ttft_s": None}, {"t": 103.0, "ttft_s": 0.03}]}
+    steps = [{"t": 99.0, "limit": 64, "online": False}, {"t": 100.7, "limit": 64, "online": False},
+             {"t": 101.5, "limit": 8, "online": True}, {"t": 102.0, "limit": 4, "online": True}]
+    got = after_seen({"online": online, "trajectory": steps}, slo_ms=50.0)
+    assert got == {"seen_after_s": 1.5, "online_before": 2, "online_after": 3, "over_target": 1,
+                   "over_share": 0.3333, "mean_limit_after": 6.0}
+    never = [dict(s, online=False) for s in steps]
+    assert after_seen({"online": online, "trajectory": never}, slo_ms=50.0) is None
