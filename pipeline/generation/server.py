@@ -116,7 +116,8 @@ def parse_metrics(text: str) -> dict[str, Any]:
 
     want = {"vllm:num_requests_waiting": "waiting", "vllm:num_requests_running": "running",
             "vllm:num_preemptions_total": "preemptions", "vllm:kv_cache_usage_perc": "kv_cache",
-            "vllm:request_success_total": "done", "vllm:time_to_first_token_seconds_sum": "ttft_sum", "vllm:time_to_first_token_seconds_count": "ttft_count"}
+            "vllm:request_success_total": "done", "vllm:time_to_first_token_seconds_sum": "ttft_sum",
+            "vllm:time_to_first_token_seconds_count": "ttft_count", "vllm:iteration_tokens_total_count": "steps"}
     out: dict[str, Any] = {}
     histograms: dict[str, dict[float, float]] = {}
     for family in text_string_to_metric_families(text):
@@ -358,7 +359,8 @@ class ServerEngine:
                 ttft_ms=round(max(ttfts), 1) if ttfts else None, throttled=throttled,
                 probe_ttft_ms=round(max(probes), 1) if probes else None,
                 kv_cache=g.get("kv_cache"), server_ttft_ms=server_ttft, finished=finished,
-                server_done=int(g["done"]) if "done" in g else None, ours_done_before=ours_before,
+                server_done=int(g["done"]) if "done" in g else None, server_steps=int(g["steps"]) if "steps" in g else None,
+                ours_done_before=ours_before,
                 ours_done=ours_done, others_by_bucket=others_by_bucket(g["histograms"], values_before, values_after,
                                                                        unknown) if "histograms" in g else None))
             if self.controller.limit > before:

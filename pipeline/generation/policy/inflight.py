@@ -27,30 +27,37 @@ last step). All undercount others' rather than mistake ours for them.
     ours an online request waits 5x its target, three halvings away. With no one else
     there the target does not bind: the job is held only by the server's capacity (the
     reasons below).
-  - `queue`: requests waited in two samples in a row (the server is full).
+  - `queue`: requests waited in two samples in a row (the server is full), more of them
+    than arrive in one of its steps (its finished requests per step since the last
+    sample, rounded up: where it finishes some every step, as many new ones arrive and
+    wait for the next, and they are no queue). Without that allowance a job alone on the
+    server, at 64 in flight where the server takes 64, backed off on its own requests in
+    transit and generated a fifth less than the same job at a fixed 64 beside online
+    traffic (2026-12-06).
   - `preempted`: the server's preemption count rose.
   - `throttled`: the server answered 429 or 503.
   The capacity reasons (all but online_ttft) back off at most once per `hold` + 1
   samples; one that lasts halves the limit again every `hold` + 1 samples.
-- Grow when no reason has been seen for `hold` samples in a row, nothing waits, our
-  requests filled the limit (a limit we did not use says nothing about whether the
-  server could take more), and, while online traffic is there, an online request has
-  headroom: it waited less than three quarters of the way from the least it waited
-  lately (the lowest of the last BASELINE_WINDOW readings: what the server gives it with
-  little of ours in flight) to the target, now and at each reading since the limit last
-  changed (up to CEILING_PATIENCE of them). A target set just above what online requests
-  wait anyway (1.2x their P99 alone) leaves little room, and "under half the target"
-  could then never hold: the job sat at its floor. One reading says little, though: an
-  online request waits for the step in progress, a random share of it, so the probe's
-  readings at one limit spread over 2x, and growth on one low reading climbed until a
-  high one passed the target. Growth is by half again up to the threshold, by an eighth
-  (at least one) past it and while online traffic is there (TCP's congestion avoidance:
-  each overshoot costs online requests their target). While online traffic is there, a
-  growth waits for `hold` clear samples after the last: the requests it lets in reach
-  the server's steps, and the probe's reading, a sample or so later. A capacity back-off
-  sets the threshold to the halved limit, so the limit closes in on the level that hurt
-  instead of jumping past it (TCP's slow-start threshold); an online_ttft back-off
-  leaves it, so the job climbs back quickly once online traffic has gone.
+- Grow when no reason has been seen for `hold` samples in a row, nothing waits (but
+  requests in transit, as above), our requests filled the limit (a limit we did not use
+  says nothing about whether the server could take more), and, while online traffic is
+  there, an online request has headroom: it waited less than three quarters of the way
+  from the least it waited lately (the lowest of the last BASELINE_WINDOW readings: what
+  the server gives it with little of ours in flight) to the target, now and at each
+  reading since the limit last changed (up to CEILING_PATIENCE of them). A target set
+  just above what online requests wait anyway (1.2x their P99 alone) leaves little room,
+  and "under half the target" could then never hold: the job sat at its floor. One
+  reading says little, though: an online request waits for the step in progress, a
+  random share of it, so the probe's readings at one limit spread over 2x, and growth on
+  one low reading climbed until a high one passed the target. Growth is by half again up
+  to the threshold, by an eighth (at least one) past it and while online traffic is
+  there (TCP's congestion avoidance: each overshoot costs online requests their target).
+  While online traffic is there, a growth waits for `hold` clear samples after the last:
+  the requests it lets in reach the server's steps, and the probe's reading, a sample or
+  so later. A capacity back-off sets the threshold to the halved limit, so the limit
+  closes in on the level that hurt instead of jumping past it (TCP's slow-start
+  threshold); an online_ttft back-off leaves it, so the job climbs back quickly once
+  online traffic has gone.
 - An online_ttft back-off sets the `online_ceiling` to the limit it cut: while online
   traffic is there, growth stops one short of it until CEILING_PATIENCE samples in a row
   have been clear since the last growth, and a growth past it raises it. Without it the
@@ -64,13 +71,13 @@ nor headroom. Ours are no measure there: they run at the job's lower priority an
 behind online requests and each other. Without probes, ours are the measure.
 
 Oscillation bounds. Capacity reasons: under steady conditions where one fires once the
-limit reaches some level L, after its first back-off the limit stays within
-[L/2, L + max(1, L/8)] and backs off at most once every `hold` + 1 samples: a back-off
-halves a limit of at least L (at most 1.5 L on the first climb), and growth nears L from
-below in steps of at most an eighth and stops while anything waits. Online traffic: where
-an online request passes the target once ours reach L, after a back-off there the limit
-stays below L, and reaches L again (to back off once more) at most once every
-CEILING_PATIENCE + 1 samples. Tested against simulated servers in
+limit reaches some level L, after its first back-off the limit stays within [L/2, L +
+max(1, L/8)] and backs off at most once every `hold` + 1 samples: a back-off halves a
+limit of at least L (at most 1.5 L on the first climb), and growth nears L from below in
+steps of at most an eighth and stops while more than requests in transit wait. Online
+traffic: where an online request passes the target once ours reach L, after a back-off
+there the limit stays below L, and reaches L again (to back off once more) at most once
+every CEILING_PATIENCE + 1 samples. Tested against simulated servers in
 tests/unit/generation/test_inflight.py, one with a probe as noisy as the bench's.
 """
 
@@ -146,6 +153,7 @@ class ServerSample:
     server_ttft_ms: float | None = None  # the server's mean time to first token since the last sample (all clients)
     finished: int = 0  # ours that finished since the last sample (the server's gauges may still count them)
     server_done: int | None = None  # requests the server has finished so far, all clients' (a counter)
+    server_steps: int | None = None  # steps the server's engine has taken so far (a counter)
     # Ours finished so far, counted just before the server's count was asked for and just
     # after it came back (the streams given a moment to catch up): between the two lies
     # what the server counted of ours.
@@ -191,6 +199,7 @@ class InFlightController:
     _clear: int = field(init=False, default=0)  # samples in a row with no reason to back off
     _last_preemptions: int | None = field(init=False, default=None)
     _queued_before: bool = field(init=False, default=False)
+    _counters_before: tuple[int | None, int | None] = field(init=False, default=(None, None))  # server_done, server_steps
     # Each bracket's most (ServerSample.brackets), over the last OTHERS_WINDOW samples.
     _at_most: dict[str, deque[int]] = field(init=False, default_factory=dict)
     _foreign_before: bool = field(init=False, default=False)
@@ -232,13 +241,22 @@ class InFlightController:
         where no probes are sent (None: this sample does not say)."""
         return s.probe_ttft_ms if s.probe_ttft_ms is not None or self.probing else s.ttft_ms
 
-    def reasons(self, s: ServerSample, online: bool, ttft: float | None) -> list[str]:
+    def in_transit(self, s: ServerSample) -> int:
+        """Requests that wait only for the server's next step: as many as it finished per
+        step since the last sample, rounded up (0 without its counters)."""
+        done, steps = self._counters_before
+        if None in (done, steps, s.server_done, s.server_steps) or s.server_steps <= steps:
+            return 0
+        return -(-max(0, s.server_done - done) // (s.server_steps - steps))
+
+    def reasons(self, s: ServerSample, online: bool, ttft: float | None, transit: int = 0) -> list[str]:
         """Why `s` calls for a back-off ([] if it does not); `online`: others' traffic is
-        there; `ttft`: what an online request waits now (`online_ttft_ms`)."""
+        there; `ttft`: what an online request waits now (`online_ttft_ms`); `transit`:
+        requests waiting only for the server's next step (`in_transit`)."""
         why = []
         if online and ttft is not None and ttft > self.ttft_slo_ms:
             why.append("online_ttft")
-        if s.waiting > 0 and self._queued_before:
+        if s.waiting > transit and self._queued_before:
             why.append("queue")
         if self._last_preemptions is not None and s.preemptions > self._last_preemptions:
             why.append("preempted")
@@ -254,13 +272,15 @@ class InFlightController:
         online = self.online_present = (self._online_seen is not None
                                         and self._samples - self._online_seen < ONLINE_MEMORY)
         ttft = self.online_ttft_ms(s)
-        why = self.reasons(s, online, ttft)
+        transit = self.in_transit(s)
+        why = self.reasons(s, online, ttft, transit)
         if ttft is not None:
             self._online_ttfts.append(ttft)
             self._since_change.append(ttft)
         if not online:
             self.online_ceiling = None
-        self._queued_before = s.waiting > 0
+        self._queued_before = s.waiting > transit
+        self._counters_before = (s.server_done, s.server_steps)
         for k, (_, most) in s.brackets.items():
             self._at_most.setdefault(k, deque(maxlen=OTHERS_WINDOW)).append(most)
         self._foreign_before = s.foreign > 0
@@ -286,7 +306,7 @@ class InFlightController:
                 self.backoffs.append({"t": t, "from": before, "to": self.limit, "reasons": why,
                                       "waiting": s.waiting, "running": s.running, "foreign": s.foreign,
                                       "ttft_ms": s.ttft_ms, "probe_ttft_ms": s.probe_ttft_ms, "online": online})
-        elif (self._clear >= self.hold and s.waiting == 0 and s.in_flight >= self.limit
+        elif (self._clear >= self.hold and s.waiting <= transit and s.in_flight >= self.limit
               and self.limit < self.max_in_flight and (not online or self._headroom(ttft))):
             if not online and (self.threshold is None or self.limit < self.threshold):
                 grown = min(self.limit + max(1, self.limit // 2), self.threshold or self.max_in_flight)

@@ -200,6 +200,32 @@ def test_a_capacity_limit_bounds_the_oscillation_as_the_docstring_says():
     assert len(c.backoffs) >= 5  # it keeps probing the level, not stuck below it
 
 
+def test_requests_waiting_only_for_the_next_step_are_no_queue():
+    """The job alone at the server's 64 slots: each step finishes 2 of ours and 2 new ones
+    wait for the next, so the server reads 2 waiting most of the time. That is transit,
+    and the limit holds; 10 waiting, sample after sample, is a queue."""
+    c = InFlightController(max_in_flight=64, ttft_slo_ms=100, start=64)
+    done = steps = 0
+
+    def sample(waiting: int) -> None:
+        nonlocal done, steps
+        done, steps = done + 30, steps + 15  # 2 finished a step
+        c.observe(ServerSample(waiting=waiting, running=64, preemptions=0, in_flight=64, server_done=done,
+                               server_steps=steps, ours_done_before=done, ours_done=done))
+
+    for _ in range(20):
+        sample(2)
+    assert c.limit == 64 and c.backoffs == []
+    sample(10)
+    sample(10)
+    assert c.limit == 32 and c.backoffs[-1]["reasons"] == ["queue"]
+    # Without the server's step count there is no telling transit from a queue: any wait counts.
+    bare = InFlightController(max_in_flight=64, ttft_slo_ms=100, start=64)
+    for _ in range(2):
+        bare.observe(ServerSample(waiting=2, running=64, preemptions=0, in_flight=64))
+    assert bare.limit == 32
+
+
 def test_alone_on_the_server_the_target_does_not_bind():
     """Nobody else there: ours waiting long for a first token is no one's loss; the
     server's capacity (its queue) holds the job instead."""

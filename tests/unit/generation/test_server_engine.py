@@ -241,9 +241,14 @@ vllm:request_success_total{engine="0",finished_reason="length",model_name="m"} 1
 vllm:request_success_total{engine="0",finished_reason="stop",model_name="m"} 3.0
 # TYPE vllm:kv_cache_usage_perc gauge
 vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+# TYPE vllm:iteration_tokens_total histogram
+vllm:iteration_tokens_total_sum{engine="0",model_name="m"} 900.0
+vllm:iteration_tokens_total_bucket{engine="0",le="+Inf",model_name="m"} 40.0
+vllm:iteration_tokens_total_count{engine="0",model_name="m"} 40.0
+vllm:iteration_tokens_total_count{engine="1",model_name="m"} 2.0
 """
     assert parse_metrics(text) == {"waiting": 3.0, "running": 5.0, "preemptions": 4.0, "done": 13.0,
-                                   "kv_cache": 0.25}
+                                   "kv_cache": 0.25, "steps": 42.0}
 
 
 def test_the_live_metrics_carry_the_limit_the_queue_and_the_backoffs():
