@@ -27,20 +27,22 @@ last step). All undercount others' rather than mistake ours for them.
     ours an online request waits 5x its target, three halvings away. With no one else
     there the target does not bind: the job is held only by the server's capacity (the
     reasons below).
-  - `queue`: requests waited in two samples in a row (the server is full), more of them
-    than arrive in one of its steps (its finished requests per step since the last
-    sample, rounded up: where it finishes some every step, as many new ones arrive and
-    wait for the next, and they are no queue). Without that allowance a job alone on the
-    server, at 64 in flight where the server takes 64, backed off on its own requests in
-    transit and generated a fifth less than the same job at a fixed 64 beside online
-    traffic (2026-12-06).
+  - `queue`: requests waited at a full server in two samples in a row: it ran as many as
+    it has ever run at once (its slots, as far as seen), and more waited than arrive in
+    one of its steps (its finished requests per step since the last sample, rounded up:
+    where it finishes some every step, as many new ones arrive and wait for the next).
+    Requests wait at a server that is not full too, for its next step or its token
+    budget, and our client sends them in bursts. Counting those, a job alone on the
+    server backed off from 64 in flight (its 64 slots) to 16 while it ran 25-57, and
+    generated a fifth less than the same job at a fixed 64 beside online traffic
+    (2026-12-06). A server short of memory preempts (below).
   - `preempted`: the server's preemption count rose.
   - `throttled`: the server answered 429 or 503.
   The capacity reasons (all but online_ttft) back off at most once per `hold` + 1
   samples; one that lasts halves the limit again every `hold` + 1 samples.
-- Grow when no reason has been seen for `hold` samples in a row, nothing waits (but
-  requests in transit, as above), our requests filled the limit (a limit we did not use
-  says nothing about whether the server could take more), and, while online traffic is
+- Grow when no reason has been seen for `hold` samples in a row, no requests wait at a
+  full server (as above), our requests filled the limit (a limit we did not use says
+  nothing about whether the server could take more), and, while online traffic is
   there, an online request has headroom: it waited less than three quarters of the way
   from the least it waited lately (the lowest of the last BASELINE_WINDOW readings: what
   the server gives it with little of ours in flight) to the target, now and at each
@@ -74,7 +76,7 @@ Oscillation bounds. Capacity reasons: under steady conditions where one fires on
 limit reaches some level L, after its first back-off the limit stays within [L/2, L +
 max(1, L/8)] and backs off at most once every `hold` + 1 samples: a back-off halves a
 limit of at least L (at most 1.5 L on the first climb), and growth nears L from below in
-steps of at most an eighth and stops while more than requests in transit wait. Online
+steps of at most an eighth and stops while requests wait at a full server. Online
 traffic: where an online request passes the target once ours reach L, after a back-off
 there the limit stays below L, and reaches L again (to back off once more) at most once
 every CEILING_PATIENCE + 1 samples. Tested against simulated servers in
@@ -199,6 +201,7 @@ class InFlightController:
     _clear: int = field(init=False, default=0)  # samples in a row with no reason to back off
     _last_preemptions: int | None = field(init=False, default=None)
     _queued_before: bool = field(init=False, default=False)
+    _peak_running: int = field(init=False, default=0)  # the most requests the server has run at once
     _counters_before: tuple[int | None, int | None] = field(init=False, default=(None, None))  # server_done, server_steps
     # Each bracket's most (ServerSample.brackets), over the last OTHERS_WINDOW samples.
     _at_most: dict[str, deque[int]] = field(init=False, default_factory=dict)
@@ -249,14 +252,19 @@ class InFlightController:
             return 0
         return -(-max(0, s.server_done - done) // (s.server_steps - steps))
 
-    def reasons(self, s: ServerSample, online: bool, ttft: float | None, transit: int = 0) -> list[str]:
+    def queued(self, s: ServerSample) -> bool:
+        """Requests wait at a full server: more of them than are in transit (`in_transit`),
+        while it runs as many as it has ever run at once (its slots, as far as seen)."""
+        return s.waiting > self.in_transit(s) and s.running >= self._peak_running
+
+    def reasons(self, s: ServerSample, online: bool, ttft: float | None, queued: bool = False) -> list[str]:
         """Why `s` calls for a back-off ([] if it does not); `online`: others' traffic is
-        there; `ttft`: what an online request waits now (`online_ttft_ms`); `transit`:
-        requests waiting only for the server's next step (`in_transit`)."""
+        there; `ttft`: what an online request waits now (`online_ttft_ms`); `queued`:
+        requests wait at a full server now (`queued`)."""
         why = []
         if online and ttft is not None and ttft > self.ttft_slo_ms:
             why.append("online_ttft")
-        if s.waiting > transit and self._queued_before:
+        if queued and self._queued_before:
             why.append("queue")
         if self._last_preemptions is not None and s.preemptions > self._last_preemptions:
             why.append("preempted")
@@ -272,14 +280,15 @@ class InFlightController:
         online = self.online_present = (self._online_seen is not None
                                         and self._samples - self._online_seen < ONLINE_MEMORY)
         ttft = self.online_ttft_ms(s)
-        transit = self.in_transit(s)
-        why = self.reasons(s, online, ttft, transit)
+        queued = self.queued(s)
+        why = self.reasons(s, online, ttft, queued)
         if ttft is not None:
             self._online_ttfts.append(ttft)
             self._since_change.append(ttft)
         if not online:
             self.online_ceiling = None
-        self._queued_before = s.waiting > transit
+        self._queued_before = queued
+        self._peak_running = max(self._peak_running, s.running)
         self._counters_before = (s.server_done, s.server_steps)
         for k, (_, most) in s.brackets.items():
             self._at_most.setdefault(k, deque(maxlen=OTHERS_WINDOW)).append(most)
@@ -306,7 +315,7 @@ class InFlightController:
                 self.backoffs.append({"t": t, "from": before, "to": self.limit, "reasons": why,
                                       "waiting": s.waiting, "running": s.running, "foreign": s.foreign,
                                       "ttft_ms": s.ttft_ms, "probe_ttft_ms": s.probe_ttft_ms, "online": online})
-        elif (self._clear >= self.hold and s.waiting <= transit and s.in_flight >= self.limit
+        elif (self._clear >= self.hold and not queued and s.in_flight >= self.limit
               and self.limit < self.max_in_flight and (not online or self._headroom(ttft))):
             if not online and (self.threshold is None or self.limit < self.threshold):
                 grown = min(self.limit + max(1, self.limit // 2), self.threshold or self.max_in_flight)

@@ -226,6 +226,20 @@ def test_requests_waiting_only_for_the_next_step_are_no_queue():
     assert bare.limit == 32
 
 
+def test_requests_waiting_at_a_server_that_is_not_full_are_no_queue():
+    """The bench's job alone (2026-12-06): the server had run 64 at once, then read 4 and 7
+    waiting beside 57 and 25 running, ours sent in a burst after our client stalled. Not
+    full: the limit holds. Waiting while it runs its 64 is a queue."""
+    c = InFlightController(max_in_flight=64, ttft_slo_ms=100, start=64)
+    c.observe(ServerSample(waiting=0, running=64, preemptions=0, in_flight=64))
+    for waiting, running in [(4, 53), (4, 57), (7, 25), (19, 11)]:
+        c.observe(ServerSample(waiting=waiting, running=running, preemptions=0, in_flight=64))
+    assert c.limit == 64 and c.backoffs == []
+    for _ in range(2):
+        c.observe(ServerSample(waiting=4, running=64, preemptions=0, in_flight=64))
+    assert c.limit == 32 and c.backoffs[-1]["reasons"] == ["queue"]
+
+
 def test_alone_on_the_server_the_target_does_not_bind():
     """Nobody else there: ours waiting long for a first token is no one's loss; the
     server's capacity (its queue) holds the job instead."""
