@@ -213,7 +213,7 @@ class InFlightController:
     # The limit at which an online request last passed the target: kept while online
     # traffic is there, and reached again only after CEILING_PATIENCE clear samples.
     online_ceiling: int | None = field(init=False, default=None)
-    # An online request's time to first token at the readings since the limit last changed (the last few).
+    # An online request's time to first token at the readings since the limit last changed (the last CEILING_PATIENCE).
     _since_change: deque[float] = field(init=False)
     _online_ttfts: deque[float] = field(init=False, default_factory=lambda: deque(maxlen=BASELINE_WINDOW))
     _samples: int = field(init=False, default=0)
