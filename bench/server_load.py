@@ -189,9 +189,10 @@ def markdown(results: dict[str, Any]) -> str:
         f"`--scheduling-policy priority`, 64 sequences{budget}) on the same machine as the job. "
         f"{results['rows']} rows, {results['max_tokens']} new tokens each; online: {results['rate']:g} requests/s, "
         f"priority 0, 8 new tokens, streamed. The server's processes and the online client keep to cores "
-        f"{sorted(SERVER_CPUS)}, the job's to {sorted(JOB_CPUS)}: the server as on a host of its own. `engine.server.ttft_slo_ms` = "
-        f"{results.get('slo_ratio', GOAL_TTFT_RATIO):g} x the online P99 alone = {results['slo_ms']:g} ms. One run of each case, in the order below, after 600 rows of the job "
-        f"(not recorded) to warm the server.",
+        f"{sorted(SERVER_CPUS)}, the job's to {sorted(JOB_CPUS)}: the server as on a host of its own. "
+        f"`engine.server.ttft_slo_ms` = {results.get('slo_ratio', GOAL_TTFT_RATIO):g} x the online P99 alone = "
+        f"{results['slo_ms']:g} ms. One run of each case, in the order below, after 600 rows of the job (not recorded) "
+        f"to warm the server.",
         "",
         "| case | online TTFT P50 | online TTFT P99 | P99 ÷ alone | job output tok/s while generating | "
         "÷ job alone | job wall | peak in flight | back-offs |",

@@ -359,8 +359,8 @@ class ServerEngine:
                 ttft_ms=round(max(ttfts), 1) if ttfts else None, throttled=throttled,
                 probe_ttft_ms=round(max(probes), 1) if probes else None,
                 kv_cache=g.get("kv_cache"), server_ttft_ms=server_ttft, finished=finished,
-                server_done=int(g["done"]) if "done" in g else None, server_steps=int(g["steps"]) if "steps" in g else None,
-                ours_done_before=ours_before,
+                server_done=int(g["done"]) if "done" in g else None,
+                server_steps=int(g["steps"]) if "steps" in g else None, ours_done_before=ours_before,
                 ours_done=ours_done, others_by_bucket=others_by_bucket(g["histograms"], values_before, values_after,
                                                                        unknown) if "histograms" in g else None))
             if self.controller.limit > before:

@@ -202,7 +202,8 @@ class InFlightController:
     _last_preemptions: int | None = field(init=False, default=None)
     _queued_before: bool = field(init=False, default=False)
     _peak_running: int = field(init=False, default=0)  # the most requests the server has run at once
-    _counters_before: tuple[int | None, int | None] = field(init=False, default=(None, None))  # server_done, server_steps
+    # The sample before's server_done and server_steps (`in_transit`).
+    _counters_before: tuple[int | None, int | None] = field(init=False, default=(None, None))
     # Each bracket's most (ServerSample.brackets), over the last OTHERS_WINDOW samples.
     _at_most: dict[str, deque[int]] = field(init=False, default_factory=dict)
     _foreign_before: bool = field(init=False, default=False)

@@ -3,6 +3,7 @@ requests, a latency curve, and online traffic that comes and goes."""
 
 import random
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import pytest
@@ -108,7 +109,8 @@ def test_a_target_just_above_what_online_requests_wait_alone_still_leaves_room_t
     assert 4 <= limits[-1] <= 7  # 10 + 0.25 x (L + 1) at most the target: 12 ms at 7
 
 
-def noisy(c: InFlightController, samples: int, step_ms, seed: int, online_from: int = 0) -> tuple[list[int], list[float]]:
+def noisy(c: InFlightController, samples: int, step_ms: Callable[[int], float], seed: int,
+          online_from: int = 0) -> tuple[list[int], list[float]]:
     """A server stepping its batch in `step_ms(running)`: an online request arriving waits for
     the step in progress (a uniform share of it) and then its own. The probe and one online
     request per sample draw that wait; the limit and the online requests' waits, from
@@ -131,8 +133,8 @@ def noisy(c: InFlightController, samples: int, step_ms, seed: int, online_from: 
 def test_a_noisy_probe_settles_below_the_level_that_hurt_instead_of_a_sawtooth(ms_per_running, safe):
     """The bench's shape: online requests wait 10-20 ms alone (the target 1.2x the P99, 24 ms)
     and each of ours running adds to the step. Up to `safe` of ours no online request passes
-    the target. Growing back to where a probe last passed it, again and again, put 4-13% of
-    online requests over it (a P99 over the target); the limit now stays under that level
+    the target. Growing back to where a probe last passed it, again and again, put 5-16% of
+    online requests over it (a P99 over the target) and backed off up to 101 times in 300 s; the limit now stays under that level
     while online traffic is there, and reaches it again only after CEILING_PATIENCE clear
     samples."""
     over, mean, backoffs = [], [], []
@@ -144,7 +146,7 @@ def test_a_noisy_probe_settles_below_the_level_that_hurt_instead_of_a_sawtooth(m
         backoffs.append(len(c.backoffs))
     assert sum(over) / len(over) < 0.01  # a P99 within the target
     assert sum(mean) / len(mean) >= 0.75 * safe  # not held far below what is safe
-    assert max(backoffs) <= 10  # not a sawtooth: 25-70 back-offs in 300 s before
+    assert max(backoffs) <= 10  # not a sawtooth
 
 
 def test_after_an_online_back_off_the_limit_stays_below_that_level_then_it_is_tried_again():
