@@ -134,9 +134,9 @@ def test_a_noisy_probe_settles_below_the_level_that_hurt_instead_of_a_sawtooth(m
     """The bench's shape: online requests wait 10-20 ms alone (the target 1.2x the P99, 24 ms)
     and each of ours running adds to the step. Up to `safe` of ours no online request passes
     the target. Growing back to where a probe last passed it, again and again, put 5-16% of
-    online requests over it (a P99 over the target) and backed off up to 101 times in 300 s; the limit now stays under that level
-    while online traffic is there, and reaches it again only after CEILING_PATIENCE clear
-    samples."""
+    online requests over it (a P99 over the target) and backed off up to 101 times in 300 s;
+    the limit now stays under that level while online traffic is there, and reaches it
+    again only after CEILING_PATIENCE clear samples."""
     over, mean, backoffs = [], [], []
     for seed in range(10):
         c = InFlightController(max_in_flight=64, ttft_slo_ms=24, start=64, probing=True)
