@@ -199,14 +199,11 @@ class InFlightController:
     limit: int = field(init=False)
     _since_backoff: int = field(init=False, default=1 << 30)  # samples since the last back-off
     _clear: int = field(init=False, default=0)  # samples in a row with no reason to back off
-    _last_preemptions: int | None = field(init=False, default=None)
+    _before: ServerSample | None = field(init=False, default=None)  # the sample before this one
     _queued_before: bool = field(init=False, default=False)
     _peak_running: int = field(init=False, default=0)  # the most requests the server has run at once
-    # The sample before's server_done and server_steps (`in_transit`).
-    _counters_before: tuple[int | None, int | None] = field(init=False, default=(None, None))
     # Each bracket's most (ServerSample.brackets), over the last OTHERS_WINDOW samples.
     _at_most: dict[str, deque[int]] = field(init=False, default_factory=dict)
-    _foreign_before: bool = field(init=False, default=False)
     _finished_before: bool = field(init=False, default=False)
     _online_seen: int | None = field(init=False, default=None)  # the last sample that saw online traffic
     online_present: bool = field(init=False, default=False)  # as of the last sample
@@ -238,7 +235,7 @@ class InFlightController:
         finished requests stay counted."""
         finished = any(least > min(self._at_most[k]) for k, (least, _) in s.brackets.items() if self._at_most.get(k))
         self._finished_before, before = finished, self._finished_before
-        return (finished and before) or (s.foreign > 0 and self._foreign_before)
+        return (finished and before) or (s.foreign > 0 and self._before is not None and self._before.foreign > 0)
 
     def online_ttft_ms(self, s: ServerSample) -> float | None:
         """What an online request waits for its first token now: the probe's; ours only
@@ -248,17 +245,18 @@ class InFlightController:
     def in_transit(self, s: ServerSample) -> int:
         """Requests that wait only for the server's next step: as many as it finished per
         step since the last sample, rounded up (0 without its counters)."""
-        done, steps = self._counters_before
-        if None in (done, steps, s.server_done, s.server_steps) or s.server_steps <= steps:
+        b = self._before
+        if b is None or None in (b.server_done, b.server_steps, s.server_done, s.server_steps) \
+                or s.server_steps <= b.server_steps:
             return 0
-        return -(-max(0, s.server_done - done) // (s.server_steps - steps))
+        return -(-max(0, s.server_done - b.server_done) // (s.server_steps - b.server_steps))
 
     def queued(self, s: ServerSample) -> bool:
         """Requests wait at a full server: more of them than are in transit (`in_transit`),
         while it runs as many as it has ever run at once (its slots, as far as seen)."""
         return s.waiting > self.in_transit(s) and s.running >= self._peak_running
 
-    def reasons(self, s: ServerSample, online: bool, ttft: float | None, queued: bool = False) -> list[str]:
+    def reasons(self, s: ServerSample, online: bool, ttft: float | None, queued: bool) -> list[str]:
         """Why `s` calls for a back-off ([] if it does not); `online`: others' traffic is
         there; `ttft`: what an online request waits now (`online_ttft_ms`); `queued`:
         requests wait at a full server now (`queued`)."""
@@ -267,7 +265,7 @@ class InFlightController:
             why.append("online_ttft")
         if queued and self._queued_before:
             why.append("queue")
-        if self._last_preemptions is not None and s.preemptions > self._last_preemptions:
+        if self._before is not None and s.preemptions > self._before.preemptions:
             why.append("preempted")
         if s.throttled:
             why.append("throttled")
@@ -290,11 +288,9 @@ class InFlightController:
             self.online_ceiling = None
         self._queued_before = queued
         self._peak_running = max(self._peak_running, s.running)
-        self._counters_before = (s.server_done, s.server_steps)
         for k, (_, most) in s.brackets.items():
             self._at_most.setdefault(k, deque(maxlen=OTHERS_WINDOW)).append(most)
-        self._foreign_before = s.foreign > 0
-        self._last_preemptions = s.preemptions
+        self._before = s
         self._samples += 1
         self.peak_in_flight = max(self.peak_in_flight, s.in_flight)
         before = self.limit
