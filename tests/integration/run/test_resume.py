@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,26 +72,47 @@ class EngineCores:
     """The engine cores of one run's live engine actors, looked for among the driver's
     descendants and among the processes of its Ray instance (found by its temp dir), so
     that a Ray process reparented away from the driver still counts. A core whose actor
-    just died may outlive it for a moment: not one of these. Keeps what it last saw, so
-    that a wait that never finds one says what there was instead."""
+    just died may outlive it for a moment: not one of these. Keeps every process it saw,
+    with each title it had and when, and how long its searches took, so that a wait that
+    never finds one says what there was."""
 
     def __init__(self, driver: psutil.Process, ray_tmp: str):
         self.driver, self.ray_tmp = driver, ray_tmp
-        self.last_seen: list[str] = []
+        self.began = time.monotonic()
+        self.seen: dict[int, list[str]] = {}  # pid -> "at T s (parent P): title", as it changed
+        self.searches: list[float] = []  # each search's seconds
 
     def __call__(self) -> list[psutil.Process]:
-        cores, seen = [], []
+        began, cores = time.monotonic(), []
         for p in run_processes(self.driver, self.ray_tmp):
             try:
                 title = f"{' '.join(p.cmdline())} [{p.name()}]"
-                seen.append(f"{p.pid} (parent {p.ppid()}): {title[:120]}")
                 parent = p.parent()
+                self.saw(p.pid, f"(parent {p.ppid()}): {title[:120]}")
                 if "EngineCor" in title and parent is not None and self.engine_actor(parent):
                     cores.append(p)
             except psutil.Error:
                 pass
-        self.last_seen = seen or self.last_seen  # the run's processes while it had any
+        self.searches.append(time.monotonic() - began)
         return cores
+
+    def saw(self, pid: int, line: str) -> None:
+        titles = self.seen.setdefault(pid, [])
+        if not any(t.endswith(line) for t in titles):
+            titles.append(f"at {time.monotonic() - self.began:.0f} s {line}")
+
+    def account(self, report: Path) -> str:
+        """Every process the search saw, the engine pids the run's report recorded (when it
+        wrote one), and how long the searches took: whether a core ran, and what it looked
+        like to a search that was not slower than the core's life."""
+        lines = [f"{pid} {' | '.join(titles)}" for pid, titles in sorted(self.seen.items())]
+        if report.exists():
+            actors = json.loads(report.read_text()).get("engine", {}).get("actors", [])
+            lines.append(f"the report's engine pids: {[a.get('pids') for a in actors]}")
+        if self.searches:
+            lines.append(f"{len(self.searches)} searches from driver {self.driver.pid}, the longest "
+                         f"{max(self.searches):.1f} s")
+        return "the run's processes seen:\n" + "\n".join(lines)
 
     @staticmethod
     def engine_actor(p: psutil.Process) -> bool:
@@ -123,15 +145,21 @@ def resumed(tiny_model, tmp_path_factory, ray_tmp) -> Iterator[Resumed]:
     started: list[psutil.Process] = []
     runs: list[tuple[subprocess.Popen, psutil.Process]] = []  # each run's process and driver, ended if left
     try:
+        # Each run's Ray under a temp dir of its own: the second run's search for engine cores
+        # can find nothing of the first.
+        first_tmp, second_tmp = os.path.join(ray_tmp, "1"), os.path.join(ray_tmp, "2")
+        os.makedirs(first_tmp)
+        os.makedirs(second_tmp)
         # 1. Killed outright, driver first, once a third of the rows are committed.
-        proc, driver = start(command(tmp, tiny_model, slow_s=1.5), ray_tmp, tmp / "killed.log")
+        proc, driver = start(command(tmp, tiny_model, slow_s=1.5), first_tmp, tmp / "killed.log")
         runs.append((proc, driver))
         wait_for("a third of the rows committed", lambda: committed_rows(tmp / "out") >= len(ids) // 3, proc)
-        everything = run_processes(driver, ray_tmp)
+        everything = run_processes(driver, first_tmp)
         started += everything
         driver.kill()
         proc.wait(30)
         end_all(everything)
+        end_all(run_processes(driver, first_tmp))  # any of its Ray's that started after the list
         at_kill = committed_rows(tmp / "out")
 
         # Without --resume the next run stops, naming the stopped run and its progress.
@@ -139,20 +167,19 @@ def resumed(tiny_model, tmp_path_factory, ray_tmp) -> Iterator[Resumed]:
 
         # 2. --resume, with the engine actor killed, then its engine core, then a core stopped.
         proc, driver = start(command(tmp, tiny_model, "--resume", "--set", "engine.max_restarts=4",
-                                     "--set", f"engine.stall_timeout_s={STALL_TIMEOUT_S}"), ray_tmp,
+                                     "--set", f"engine.stall_timeout_s={STALL_TIMEOUT_S}"), second_tmp,
                              tmp / "resumed.log")
         runs.append((proc, driver))
         killed: dict[str, int] = {}
-        cores = EngineCores(driver, ray_tmp)
+        cores = EngineCores(driver, second_tmp)
         for kind in ("actor", "core", "stop"):
             # An engine serving rows: a core none of the kills so far touched, and parts
             # committed since it was first seen (so its start-up is over).
             fresh = wait_for(f"a fresh engine core to {kind}", lambda: cores.fresh(killed), proc,
-                             explain=lambda: f"killed so far: {killed}; the run's processes last seen:\n"
-                             + "\n".join(cores.last_seen))
+                             explain=lambda: f"killed so far: {killed}; {cores.account(tmp / 'out' / '_report.json')}")
             core, base = fresh[0], committed_rows(tmp / "out")
             wait_for(f"rows committed by engine core {core.pid}", lambda: committed_rows(tmp / "out") > base, proc)
-            started += run_processes(driver, ray_tmp)
+            started += run_processes(driver, second_tmp)
             if kind == "actor":
                 killed[kind] = core.ppid()  # the engine actor's process: the core's parent
                 os.kill(killed[kind], signal.SIGKILL)
