@@ -230,16 +230,18 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def frontier_markdown(results: dict[str, Any]) -> str:
+def frontier_markdown(results: dict[str, Any], plot_name: str = "server_frontier.png") -> str:
     alone, solo = results["online_alone"], results["job_alone"]
     m = results["machine"]
     flags = vector_flags(m)
+    budget = (f", and a step budget of {results['server_step_tokens']} tokens (`--max-num-batched-tokens`)"
+              if results.get("server_step_tokens") else "")
     lines = [
         "# What any policy could reach: the job at fixed numbers in flight beside online traffic",
         "",
         f"`make bench-server-frontier`. Commit {results['commit']}, {results['date']}. Machine: {m['cpu']}, "
         f"{m['cores']} cores, {m['memory_gib']} GiB; CPU flags {flags}. The server and online load as in "
-        f"[server_load.md](server_load.md) ({results['rate']:g} online requests/s, priority 0, 8 new tokens; the job "
+        f"[server_load.md](server_load.md){budget} ({results['rate']:g} online requests/s, priority 0, 8 new tokens; the job "
         f"{results['max_tokens']} new tokens a row); the job at each fixed number in flight "
         f"(`engine.server.feedback: false`), with rows for about {results['frontier_s']:g} s of generating, after "
         f"{WARM_ROWS} rows (not recorded) to warm the server. "
@@ -257,7 +259,7 @@ def frontier_markdown(results: dict[str, Any]) -> str:
         lines.append(f"| {p['in_flight']} | {p['rows']:,} | {o['requests']} | {o['ttft_p50_s'] * 1000:.0f} ms | "
                      f"{o['ttft_p99_s'] * 1000:.0f} ms | {ratio:.2f} | {p['output_tokens_per_s_generating']:,.0f} | "
                      f"{share:.2f} | {'yes' if met else 'no'} |")
-    lines += ["", "![online P99 against the job's throughput](server_frontier.png)", ""]
+    lines += ["", f"![online P99 against the job's throughput]({plot_name})", ""]
     return "\n".join(lines)
 
 
@@ -377,8 +379,9 @@ def main() -> None:
     out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
     if frontier is not None:
         plot_frontier(results, out.with_suffix(".png"))
-        out.with_suffix(".md").write_text(frontier_markdown(results))
-        print(frontier_markdown(results))
+        page = frontier_markdown(results, out.with_suffix(".png").name)
+        out.with_suffix(".md").write_text(page)
+        print(page)
         return
     plot(results, out.with_suffix(".png"))
     out.with_suffix(".md").write_text(markdown(results))

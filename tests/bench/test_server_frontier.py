@@ -22,6 +22,9 @@ def test_each_limit_is_a_row_and_a_point_and_says_whether_it_meets_both_goals(tm
     assert [r.split(" | ")[-1] for r in rows] == ["no |", "yes |", "no |"]
     assert "| 4 | 400 | 90 | 55 ms | 110 ms | 1.10 | 600 | 0.60 | yes |" in md
     assert "CPU flags avx2" in md and "sse4_2" not in md
+    assert "step budget" not in md and "(server_frontier.png)" in md
+    budgeted = frontier_markdown({**results, "server_step_tokens": 256}, "server_frontier_step256.png")
+    assert "a step budget of 256 tokens" in budgeted and "(server_frontier_step256.png)" in budgeted
     png = tmp_path / "frontier.png"
     plot_frontier(results, png)
     assert png.stat().st_size > 10_000
