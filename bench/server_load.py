@@ -287,7 +287,8 @@ def plot_frontier(results: dict[str, Any], path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     m = results["machine"]
-    ax.set_title(f"{results['rate']:g} online requests/s beside the job on one vLLM CPU server\n"
+    budget = f", step budget {results['server_step_tokens']} tokens" if results.get("server_step_tokens") else ""
+    ax.set_title(f"{results['rate']:g} online requests/s beside the job on one vLLM CPU server{budget}\n"
                  f"({m['cpu']}, {m['cores']} cores)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
