@@ -241,8 +241,8 @@ def frontier_markdown(results: dict[str, Any], plot_name: str = "server_frontier
         "",
         f"`make bench-server-frontier`. Commit {results['commit']}, {results['date']}. Machine: {m['cpu']}, "
         f"{m['cores']} cores, {m['memory_gib']} GiB; CPU flags {flags}. The server and online load as in "
-        f"[server_load.md](server_load.md){budget} ({results['rate']:g} online requests/s, priority 0, 8 new tokens; the job "
-        f"{results['max_tokens']} new tokens a row); the job at each fixed number in flight "
+        f"[server_load.md](server_load.md){budget} ({results['rate']:g} online requests/s, priority 0, 8 new "
+        f"tokens; the job {results['max_tokens']} new tokens a row); the job at each fixed number in flight "
         f"(`engine.server.feedback: false`), with rows for about {results['frontier_s']:g} s of generating, after "
         f"{WARM_ROWS} rows (not recorded) to warm the server. "
         f"Online alone: P99 {alone['ttft_p99_s'] * 1000:.0f} ms; the job alone (feedback): "
