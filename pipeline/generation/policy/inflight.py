@@ -28,7 +28,8 @@ last step). All undercount others' rather than mistake ours for them.
     there the target does not bind: the job is held only by the server's capacity (the
     reasons below).
   - `queue`: requests waited at a full server in two samples in a row: it ran as many as
-    it has ever run at once (its slots, as far as seen), and more waited than arrive in
+    it has ever run at once (its slots, as far as seen since it last restarted: its
+    counters going back say it did, and it may have come back with fewer), and more waited than arrive in
     one of its steps (its finished requests per step since the last sample, rounded up:
     where it finishes some every step, as many new ones arrive and wait for the next).
     Requests wait at a server that is not full too, for its next step or its token
@@ -251,6 +252,14 @@ class InFlightController:
             return 0
         return -(-max(0, s.server_done - b.server_done) // (s.server_steps - b.server_steps))
 
+    def restarted(self, s: ServerSample) -> bool:
+        """The server's counters went back since the last sample: it restarted (a restart
+        shorter than `engine.server.unavailable_s` leaves the run going)."""
+        b = self._before
+        return b is not None and any(
+            now is not None and then is not None and now < then
+            for now, then in ((s.server_done, b.server_done), (s.server_steps, b.server_steps)))
+
     def queued(self, s: ServerSample) -> bool:
         """Requests wait at a full server: more of them than are in transit (`in_transit`),
         while it runs as many as it has ever run at once (its slots, as far as seen)."""
@@ -279,6 +288,8 @@ class InFlightController:
         online = self.online_present = (self._online_seen is not None
                                         and self._samples - self._online_seen < ONLINE_MEMORY)
         ttft = self.online_ttft_ms(s)
+        if self.restarted(s):
+            self._peak_running = 0  # its slots now are what it runs from here on
         queued = self.queued(s)
         why = self.reasons(s, online, ttft, queued)
         if ttft is not None:
