@@ -177,11 +177,16 @@ def vector_flags(machine: dict[str, Any]) -> str:
     return ", ".join(f for f in machine["cpu_flags"] if f in SPEED_FLAGS)
 
 
+def step_budget(results: dict[str, Any]) -> str:
+    """", step budget N tokens" where the server ran with `--server-step-tokens`, else ""."""
+    return f", step budget {results['server_step_tokens']} tokens" if results.get("server_step_tokens") else ""
+
+
 def markdown(results: dict[str, Any]) -> str:
     alone, solo = results["online_alone"], results["job_alone"]
     m = results["machine"]
     flags = vector_flags(m)
-    budget = f", step budget {results['server_step_tokens']} tokens" if results.get("server_step_tokens") else ""
+    budget = step_budget(results)
     lines = [
         "# The job on a live server beside online traffic (`make bench-server`)",
         "",
@@ -287,8 +292,7 @@ def plot_frontier(results: dict[str, Any], path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     m = results["machine"]
-    budget = f", step budget {results['server_step_tokens']} tokens" if results.get("server_step_tokens") else ""
-    ax.set_title(f"{results['rate']:g} online requests/s beside the job on one vLLM CPU server{budget}\n"
+    ax.set_title(f"{results['rate']:g} online requests/s beside the job on one vLLM CPU server{step_budget(results)}\n"
                  f"({m['cpu']}, {m['cores']} cores)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -29,9 +29,10 @@ last step). All undercount others' rather than mistake ours for them.
     reasons below).
   - `queue`: requests waited at a full server in two samples in a row: it ran as many as
     it has ever run at once (its slots, as far as seen since it last restarted: its
-    counters going back say it did, and it may have come back with fewer), and more waited than arrive in
-    one of its steps (its finished requests per step since the last sample, rounded up:
-    where it finishes some every step, as many new ones arrive and wait for the next).
+    counters going back say it did, and it may have come back with fewer), and more
+    waited than arrive in one of its steps (its finished requests per step since the
+    last sample, rounded up: where it finishes some every step, as many new ones arrive
+    and wait for the next).
     Requests wait at a server that is not full too, for its next step or its token
     budget, and our client sends them in bursts. Counting those, a job alone on the
     server backed off from 64 in flight (its 64 slots) to 16 while it ran 25-57, and
@@ -262,7 +263,8 @@ class InFlightController:
 
     def queued(self, s: ServerSample) -> bool:
         """Requests wait at a full server: more of them than are in transit (`in_transit`),
-        while it runs as many as it has ever run at once (its slots, as far as seen)."""
+        while it runs as many as it has ever run at once since it last restarted (its slots,
+        as far as seen)."""
         return s.waiting > self.in_transit(s) and s.running >= self._peak_running
 
     def reasons(self, s: ServerSample, online: bool, ttft: float | None, queued: bool) -> list[str]:

@@ -80,7 +80,7 @@ class EngineCores:
         self.driver, self.ray_tmp = driver, ray_tmp
         self.began = time.monotonic()
         self.seen: dict[int, list[str]] = {}  # pid -> "at T s (parent P): title", as it changed
-        self.searches: list[float] = []  # each search's seconds
+        self.searches, self.longest = 0, 0.0  # searches made, and the longest one's seconds
 
     def __call__(self) -> list[psutil.Process]:
         began, cores = time.monotonic(), []
@@ -93,7 +93,7 @@ class EngineCores:
                     cores.append(p)
             except psutil.Error:
                 pass
-        self.searches.append(time.monotonic() - began)
+        self.searches, self.longest = self.searches + 1, max(self.longest, time.monotonic() - began)
         return cores
 
     def saw(self, pid: int, line: str) -> None:
@@ -109,9 +109,7 @@ class EngineCores:
         if report.exists():
             actors = json.loads(report.read_text()).get("engine", {}).get("actors", [])
             lines.append(f"the report's engine pids: {[a.get('pids') for a in actors]}")
-        if self.searches:
-            lines.append(f"{len(self.searches)} searches from driver {self.driver.pid}, the longest "
-                         f"{max(self.searches):.1f} s")
+        lines.append(f"{self.searches} searches from driver {self.driver.pid}, the longest {self.longest:.1f} s")
         return "the run's processes seen:\n" + "\n".join(lines)
 
     @staticmethod

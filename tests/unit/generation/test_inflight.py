@@ -246,22 +246,21 @@ def test_a_server_restarted_with_fewer_slots_is_full_at_its_new_peak():
     """The server ran 64 at once, then restarted (its counters went back) with 32 slots:
     requests waiting while it runs its 32 are a queue. Held to the old peak, the limit
     stayed at 64 and only a preemption would have said so."""
-    c = InFlightController(max_in_flight=64, ttft_slo_ms=100, start=64)
-    c.observe(ServerSample(waiting=0, running=64, preemptions=0, in_flight=64, server_done=5000, server_steps=9000))
-    done = steps = 0
-    for _ in range(3):
-        done, steps = done + 4, steps + 15
-        c.observe(ServerSample(waiting=20, running=32, preemptions=0, in_flight=64, server_done=done,
-                               server_steps=steps, ours_done_before=done, ours_done=done))
+    def served(restarted: bool) -> InFlightController:
+        c = InFlightController(max_in_flight=64, ttft_slo_ms=100, start=64)
+        c.observe(ServerSample(waiting=0, running=64, preemptions=0, in_flight=64, server_done=5000,
+                               server_steps=9000))
+        done, steps = (0, 0) if restarted else (5000, 9000)
+        for _ in range(3):
+            done, steps = done + 4, steps + 15
+            c.observe(ServerSample(waiting=20, running=32, preemptions=0, in_flight=64, server_done=done,
+                                   server_steps=steps, ours_done_before=done, ours_done=done))
+        return c
+
+    c = served(restarted=True)
     assert c.limit == 32 and c.backoffs[-1]["reasons"] == ["queue"]
     # Counters that only grow: the same readings are a server that is not full.
-    same = InFlightController(max_in_flight=64, ttft_slo_ms=100, start=64)
-    same.observe(ServerSample(waiting=0, running=64, preemptions=0, in_flight=64, server_done=5000, server_steps=9000))
-    done, steps = 5000, 9000
-    for _ in range(3):
-        done, steps = done + 4, steps + 15
-        same.observe(ServerSample(waiting=20, running=32, preemptions=0, in_flight=64, server_done=done,
-                                  server_steps=steps, ours_done_before=done, ours_done=done))
+    same = served(restarted=False)
     assert same.limit == 64 and same.backoffs == []
 
 
