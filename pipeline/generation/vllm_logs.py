@@ -8,11 +8,16 @@ memory of what was said: true the first time a key is seen.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import re
+import select
+import struct
 import sys
+import termios
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -192,36 +197,65 @@ class EngineLogTee:
         os.close(write_end)
         self._chunks: list[bytes] = []
         self._recording = True
+        self._lock = threading.Lock()
+        self._read_end, self._open = read_end, True
         self._tail: deque[bytes] = deque(maxlen=64)  # what came after the start-up, for `tail`
         self._lines = WarningLines(warn_once) if warn_once is not None else None
         self._thread = threading.Thread(target=self._pump, args=(read_end,), daemon=True)
         self._thread.start()
 
     def _pump(self, read_end: int) -> None:
+        """Forward the pipe until its last writer closes it. Each chunk is read and kept
+        under the lock, so that `drain` sees either bytes still in the pipe or every
+        byte kept."""
         with os.fdopen(read_end, "rb", buffering=0) as pipe:
-            while chunk := pipe.read(65536):
-                if self._recording:
-                    self._chunks.append(chunk)
-                else:
-                    self._tail.append(chunk)
+            while True:
+                select.select([read_end], [], [])
+                with self._lock:
+                    chunk = pipe.read(65536)
+                    if not chunk:
+                        self._open = False
+                        break
+                    (self._chunks if self._recording else self._tail).append(chunk)
                 os.write(self._out, chunk if self._lines is None else self._lines.feed(chunk))
             if self._lines is not None:
                 os.write(self._out, self._lines.flush())
         os.close(self._out)
 
+    def drain(self, timeout_s: float = 10.0) -> str:
+        """The tail (`tail`) once every byte written to the pipe so far has been read: a
+        dead core's last words are whole here, however loaded the machine, since a process
+        that has ended wrote all it will. Bounded by `timeout_s` should the pump be stuck."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._open or unread_bytes(self._read_end) == 0:
+                    break
+            time.sleep(0.01)
+        return self.tail()
+
     def stop(self, wait_s: float = 0.0) -> str:
         """Give this process its descriptors back; return what was captured. With
-        `wait_s`, first wait for the (dead) engine core's last lines."""
+        `wait_s`, first wait for the (dead) engine core's last lines. Once only: a
+        second call returns the same."""
         sys.stdout.flush()
         sys.stderr.flush()
-        for fd, saved in self._saved.items():
-            os.dup2(saved, fd)
-            os.close(saved)
+        saved, self._saved = self._saved, {}
+        for fd, dup in saved.items():
+            os.dup2(dup, fd)
+            os.close(dup)
         if wait_s:
             self._thread.join(wait_s)
-        self._recording = False
-        return b"".join(self._chunks).decode(errors="replace")
+        with self._lock:
+            self._recording = False
+            return b"".join(self._chunks).decode(errors="replace")
 
     def tail(self) -> str:
         """The engine core's last lines since the start-up (it keeps the tee's pipe)."""
-        return b"".join(self._tail).decode(errors="replace")
+        with self._lock:
+            return b"".join(self._tail).decode(errors="replace")
+
+
+def unread_bytes(fd: int) -> int:
+    """Bytes written to the pipe `fd` and not read yet."""
+    return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
