@@ -208,7 +208,7 @@ class VLLMEngine:
         self._tee: EngineLogTee | None = None
         self._warn_once = warn_once
         self._warnings = WarningFilter(warn_once) if warn_once is not None else None
-        self._dies_of_memory = False
+        self._killed_of_memory: set[int] = set()  # core pids a drill killed as if of memory
         # debug.step_timeline: every step's time and load, across rebuilds too.
         self.timeline = StepTimeline() if settings.step_timeline else None
         self._bound: list[int] = []  # the CPUs this process was bound to (`bind_cpus`)
@@ -346,14 +346,31 @@ class VLLMEngine:
         self._engine = None
         gc.collect()
 
+    def _core_processes(self) -> list[Any]:
+        """The engine core's processes as vLLM started them: its process manager's
+        handles, which know each one's pid and exit code whatever its title reads.
+        None where the core runs in this process."""
+        core = getattr(getattr(self, "_engine", None), "engine_core", None)
+        manager = getattr(getattr(core, "resources", None), "engine_manager", None)
+        return list(getattr(manager, "processes", None) or [])
+
     def core_pids(self) -> list[int]:
-        """Processes of the engine core (vLLM runs it apart from this process)."""
+        """Processes of the engine core (vLLM runs it apart from this process) still running.
+        From vLLM's own handles where it has them; else by title among this process's
+        children, which a title read mid-change (empty, under load) can miss."""
         import psutil
 
-        return [
-            p.pid for p in psutil.Process().children(recursive=True)
-            if "EngineCore" in " ".join(p.cmdline() or [p.name()]) or "EngineCore" in p.name()
-        ]
+        handles = self._core_processes()
+        if handles:
+            return [h.pid for h in handles if h.pid is not None and h.exitcode is None]
+        found = []
+        for p in psutil.Process().children(recursive=True):
+            try:
+                if "EngineCore" in " ".join(p.cmdline() or [p.name()]) or "EngineCore" in p.name():
+                    found.append(p.pid)
+            except psutil.Error:  # one that ended while being listed
+                continue
+        return found
 
     def worker_cpus(self) -> dict[int, list[int]]:
         """The CPUs each of the engine's worker processes (its core's children) is bound to,
@@ -375,16 +392,34 @@ class VLLMEngine:
 
     def kill_core(self, memory: bool = False) -> bool:
         """SIGKILL the engine core, so vLLM itself finds it dead: a fault injection
-        (`memory`: as if it had said it ran out of memory), and how a stalled core ends."""
+        (`memory`: as if it had said it ran out of memory), and how a stalled core ends.
+        The pids killed of memory are kept: the death is judged by them, not by when
+        vLLM notices it."""
         import signal
 
         pids = self.core_pids()
-        self._dies_of_memory = memory and bool(pids)
+        if memory:
+            self._killed_of_memory.update(pids)
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
-        if pids:
-            time.sleep(0.5)  # let vLLM notice before the next step
         return bool(pids)
+
+    def _death(self, wait_s: float = 30.0) -> tuple[str | None, dict[int, int | None], bool]:
+        """Why the engine core died, once it is known: first its processes' ends (each
+        waited for, up to `wait_s` in all), then every line they wrote read from the tee.
+        (The cause, exit code by pid, whether it was memory.) Judged on what the core
+        did, never on how soon this process noticed: a loaded machine forwards a dying
+        core's lines late, and an out-of-memory read as a crash would restart the engine
+        just as large."""
+        deadline = time.monotonic() + wait_s
+        ends: dict[int, int | None] = {}
+        for handle in self._core_processes():
+            handle.join(max(0.0, deadline - time.monotonic()))
+            ends[handle.pid] = handle.exitcode
+        tail = self._tee.drain(max(1.0, deadline - time.monotonic())) if self._tee is not None else ""
+        cause = root_cause(tail)
+        memory = bool(self._killed_of_memory & set(ends)) or (cause is not None and mentions_memory_failure(cause))
+        return cause, ends, memory
 
     # -- driving it --------------------------------------------------------------
 
@@ -464,15 +499,14 @@ class VLLMEngine:
 
     def _raise_if_dead(self, e: Exception) -> None:
         """vLLM's dead-engine error as `EngineDead`, with the core's last words and whether
-        they were about memory; any other error is left to the caller."""
+        they were about memory (`_death`); any other error is left to the caller."""
         from vllm.v1.engine.exceptions import EngineDeadError
 
         if isinstance(e, EngineDeadError):
-            time.sleep(0.5)  # the core's last words, if it had any
-            cause = root_cause(self._tee.tail()) if self._tee is not None else None
-            memory = self._dies_of_memory or (cause is not None and mentions_memory_failure(cause))
-            self._dies_of_memory = False
-            raise EngineDead(f"{type(e).__name__}: {cause or e}", memory=memory) from e
+            cause, ends, memory = self._death()
+            codes = ", ".join(f"pid {pid} exit {code}" for pid, code in ends.items())
+            raise EngineDead(f"{type(e).__name__}: {cause or e}" + (f" ({codes})" if codes else ""),
+                             memory=memory) from e
 
     def step(self) -> list[tuple[str, Completion]]:
         """One engine step; the requests it finished, with latency left at 0 for the caller."""

@@ -67,12 +67,12 @@ def test_vllms_dead_engine_becomes_engine_dead():
         def __init__(self, text):
             self.text = text
 
-        def tail(self):
+        def drain(self, timeout_s):
             return self.text
 
     engine = object.__new__(VLLMEngine)
     engine._engine = DeadCore()
-    engine._dies_of_memory, engine._tee = False, Tail("")
+    engine._killed_of_memory, engine._tee = set(), Tail("")
     with pytest.raises(EngineDead) as died:  # killed: no word, not a memory failure
         engine.step()
     assert not died.value.memory
@@ -106,11 +106,11 @@ def test_a_request_to_a_dead_core_is_the_engines_death_not_the_prompts():
             raise self.error
 
     class Tail:
-        def tail(self):
+        def drain(self, timeout_s):
             return ""
 
     engine = object.__new__(VLLMEngine)
-    engine._next_id, engine._dies_of_memory, engine._tee = 0, False, Tail()
+    engine._next_id, engine._killed_of_memory, engine._tee = 0, set(), Tail()
     engine._sampling_params = lambda sampling: None
     engine._engine = Core(EngineDeadError())
     with pytest.raises(EngineDead) as died:
@@ -196,3 +196,81 @@ def test_a_rebuild_asks_for_a_smaller_kv_cache_where_it_was_sized_in_bytes():
     del engine.kwargs["kv_cache_memory_bytes"]  # sized by the fraction alone: as before
     engine.rebuild("oom")
     assert engine.rebuilds[-1]["after"] == {"gpu_memory_utilization": 0.128, "max_num_seqs": 64}
+
+
+def _last_words(go, words: bytes, pause: float) -> None:
+    """A stand-in engine core: once told to go, its last words (a flood of lines first, as a
+    core dumps its traceback), then death, or a wait to be killed."""
+    import os
+    import time
+
+    go.wait()
+    os.write(2, b"(EngineCore pid=1) INFO [core.py:1] step\n" * 4000 + words)
+    time.sleep(pause)
+    os._exit(1)
+
+
+@pytest.mark.parametrize("how", ["said_oom", "killed_of_memory", "killed"])
+def test_a_dead_cores_cause_is_read_from_its_ends_not_from_when_it_was_noticed(how):
+    """The core's processes as vLLM holds them, really dying: its death is judged once each
+    has ended and every line it wrote has been read through the tee, so a loaded machine
+    that forwards its lines late cannot turn an out-of-memory into a crash (which would
+    restart the engine just as large). A kill as a drill of memory is memory by its pid;
+    a kill with no word is not."""
+    import multiprocessing
+    import os
+    import signal
+    import threading
+    import time
+    from types import SimpleNamespace as NS
+
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    from pipeline.generation.vllm_logs import EngineLogTee
+
+    said = b"(EngineCore pid=1) ERROR [core.py:9] torch.OutOfMemoryError: CUDA out of memory.\n"
+    context = multiprocessing.get_context("fork")
+    go = context.Event()
+    tee = EngineLogTee()
+    # The tee forwards to a log that takes 100 KB/s, as a starved pump forwards on a loaded
+    # machine: the core's 170 KB of last lines take it about 2 s, past the half second the
+    # death was once given before its cause was read.
+    slow_read, slow_write = os.pipe()
+    tee._out = slow_write
+
+    def slow_log() -> None:
+        while chunk := os.read(slow_read, 1024):
+            time.sleep(0.01)
+        os.close(slow_read)
+
+    threading.Thread(target=slow_log, daemon=True).start()
+    try:
+        # Started while the tee holds the descriptors, as vLLM starts its core; the tee then
+        # gives them back and keeps the core's output as its tail.
+        core = context.Process(target=_last_words,
+                               args=(go, said if how == "said_oom" else b"", 0.0 if how == "said_oom" else 60.0))
+        core.start()
+        tee.stop()
+        go.set()
+
+        class DeadCore:
+            engine_core = NS(resources=NS(engine_manager=NS(processes=[core])))
+
+            def step(self):
+                raise EngineDeadError()
+
+        engine = object.__new__(VLLMEngine)
+        engine._engine, engine._killed_of_memory, engine._tee = DeadCore(), set(), tee
+        assert engine.core_pids() == [core.pid] or how == "said_oom"
+        if how == "killed_of_memory":
+            assert engine.kill_core(memory=True)
+        elif how == "killed":
+            os.kill(core.pid, signal.SIGKILL)
+        with pytest.raises(EngineDead) as died:
+            engine.step()
+    finally:
+        tee.stop()
+    assert died.value.memory == (how != "killed"), died.value
+    assert f"pid {core.pid} exit {1 if how == 'said_oom' else -9}" in str(died.value)
+    assert ("CUDA out of memory" in str(died.value)) == (how == "said_oom")
+    assert engine.core_pids() == []  # an ended core is no core to kill
