@@ -67,23 +67,34 @@ class FaultInjector:
     `oom` raises in this process, as a CUDA allocation failure would;
     `engine_oom_death` ends the engine's core as if it had run out of memory, so the
     engine itself reports it dead of memory; `engine_crash` ends it with no cause.
+    A fault is due from its window on, and fires at the first step of a window at least
+    that late with two rows or more in flight (the feeder checks before each step), on
+    every machine whatever its speed: with one row alone it would fail that row, as the
+    out-of-memory of a row alone does, where a drill means to show the rows retried.
+    `fired` records each one (window, kind, time) for the report, so a drill's test can
+    tell a fault that never fired from a recovery that failed.
     """
 
     def __init__(self, at: int | None = None, kind: str = "oom", then: tuple[tuple[int, str], ...] = ()):
         self.pending = sorted(([(at, kind)] if at is not None else []) + list(then))
+        self.fired: list[dict[str, Any]] = []
 
-    def check(self, window: int, engine: Engine) -> None:
-        if not self.pending or window < self.pending[0][0]:
+    def check(self, window: int, engine: Engine, rows_in_flight: int) -> None:
+        if not self.pending or window < self.pending[0][0] or rows_in_flight < 2:
             return
         kind = self.pending[0][1]
         if kind in ("engine_oom_death", "engine_crash"):
             # Once a core process was found and ended: a drill that found none (the core
-            # not listed yet, or run in this process) tries again at the next step.
+            # run in this process) tries again at the next step.
             if engine.kill_core(memory=kind == "engine_oom_death"):
-                self.pending.pop(0)
+                self._fire(window, kind)
             return
-        self.pending.pop(0)
+        self._fire(window, kind)
         raise InjectedOutOfMemory(f"CUDA out of memory (injected at batch {window})")
+
+    def _fire(self, window: int, kind: str) -> None:
+        self.pending.pop(0)
+        self.fired.append({"window": window, "kind": kind, "at": round(time.time(), 3)})
 
 
 @dataclass
@@ -319,9 +330,11 @@ class EngineFeeder:
             before = (padding.padded, padding.real) if padding is not None else None
             step_start = self._step_started = time.monotonic()
             try:
-                self.faults.check(self.totals.windows, self.engine)
+                self.faults.check(self.totals.windows, self.engine, len(self.in_flight))
                 finished = self.engine.step()
             except Exception as e:
+                # The step is over: a recovery's rebuild (an engine's whole start) is no stall.
+                self._step_started = None
                 self._recover(e, calls)
                 continue
             finally:

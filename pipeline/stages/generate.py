@@ -493,6 +493,8 @@ class GenerateStage:
             "pids": self.engine_pids(),
             "heap_trims": {"count": self.heap.trims, "returned_mib": round(self.heap.returned_bytes / 2**20, 1)},
             **({"step_timeline": timeline} if (timeline := self.engine.step_timeline()) is not None else {}),
+            # A drill's faults as they fired (debug.inject_oom_*): none fired is not a recovery.
+            **({"faults_fired": faults.fired} if (faults := self.feeder.faults).fired or faults.pending else {}),
             "learned": self.policy.learned_limits(),
             **({"server": self.engine.report()} if isinstance(self.engine, ServerEngine) else {}),
             # Padding by the bucket of each batch: the feeder's record (it knows the buckets).

@@ -164,8 +164,14 @@ def test_engine_death_rebuilds_the_engine_and_retries_the_rows(tiny_model, tmp_p
     run = small_kv(tiny_model, corpus, tmp_path / "out",
                    "debug.inject_oom_at_batch=1", "debug.inject_oom_kind=engine_oom_death")
     assert_nothing_lost(run)
-    rebuilds = run.report["engine"]["actors"][0]["rebuilds"]
-    assert len(rebuilds) == 1 and "EngineDeadError" in rebuilds[0]["reason"]
+    actor = run.report["engine"]["actors"][0]
+    # The drill fired (once, at its first step with rows in flight), before anything is said of
+    # the recovery: a drill that never fired would pass for one that failed.
+    assert [f["kind"] for f in actor["faults_fired"]] == ["engine_oom_death"], actor
+    # Judged as memory, so rebuilt in place: no crash, no restart of the actor.
+    assert run.report["incidents"] == [], run.report["incidents"]
+    rebuilds = actor["rebuilds"]
+    assert len(rebuilds) == 1 and "EngineDeadError" in rebuilds[0]["reason"], rebuilds
     before, after = rebuilds[0]["before"], rebuilds[0]["after"]
     assert after["max_num_seqs"] == before["max_num_seqs"] // 2
     assert after["gpu_memory_utilization"] < before["gpu_memory_utilization"]
