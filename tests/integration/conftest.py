@@ -94,7 +94,7 @@ def job_run(tmp_path_factory, tiny_model, watchers) -> JobRun:
         # hold's bound and fail the assertion. Windows of two files come out as three
         # blocks at once, so both engines get blocks of each window.
         "--set", "batching.prepare_batch_rows=20", "--set", "bucketing.window_rows=40",
-        "--set", "debug.hold_input_until_output_s=240",
+        "--set", "debug.hold_input_until_output_s=900",
         "--set", "engine.max_model_len=8192",
         "--set", "batching.learned_limits=null",  # no state carried between test runs
     )

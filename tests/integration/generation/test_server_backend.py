@@ -153,7 +153,7 @@ def test_a_killed_server_stops_the_run_resumable_and_resume_generates_no_row_twi
     # The rows after the first window are held until its rows are committed, then read 1 s a
     # batch, as in the nightly kill test: the kill comes while they are. (Unheld, a fast
     # server once finished every row before the first commit was seen, and the run exited 0.)
-    drills = ("debug.hold_input_until_output_s=240", "debug.slow_prepare_s=1.0")
+    drills = ("debug.hold_input_until_output_s=900", "debug.slow_prepare_s=1.0")
     proc, driver = start(command(server, corpus, out, *sets, *drills), ray_tmp, tmp_path / "run.log")
     try:
         # Killed once some of the rows are committed (a block commits when all its rows are

@@ -158,9 +158,11 @@ def test_a_store_that_stops_answering_while_reading_or_publishing_stops_the_run_
                              publishing, env=store.env)
         wait_for("the run holding before it publishes",
                  lambda: "debug.hold_before_publish_s" in publishing.read_text(), proc)
-        started += run_processes(driver, ray_tmp)
+        # Stopped at once, its processes listed after: a list of every process on a loaded
+        # machine can take longer than the hold, and the publish would be done before the stop.
         moto.send_signal(signal.SIGSTOP)
         stopped_at = time.monotonic()
+        started += run_processes(driver, ray_tmp)
         proc.wait(timeout=300)
         took_publishing = time.monotonic() - stopped_at
         moto.send_signal(signal.SIGCONT)

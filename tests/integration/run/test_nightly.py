@@ -81,7 +81,7 @@ def nights(job_run, tmp_path_factory, ray_tmp):
     # window are held until that commit, then read 1 s a batch: the kill comes while they are.
     partition = tmp / "out" / "dt=2026-11-02"
     proc, driver = start([sys.executable, "-m", "pipeline", "run", str(JOB), "--profile", str(PROFILE), *night2,
-                          "--set", "debug.hold_input_until_output_s=240", "--set", "debug.slow_prepare_s=1.0"],
+                          "--set", "debug.hold_input_until_output_s=900", "--set", "debug.slow_prepare_s=1.0"],
                          ray_tmp, tmp / "night2-killed.log")
     try:
         wait_for("night 2's first rows committed", lambda: committed_rows(partition) > 0, proc)
