@@ -246,9 +246,22 @@ def server_line(s: dict[str, Any]) -> str:
             + "".join(f" · {note}" for note in s["notes"]))
 
 
-def print_summary(report: dict[str, Any]) -> None:
+def table_console(table: Table) -> Console:
+    """A console on stdout to print `table` with: on a terminal, the terminal's own. Off
+    one (a pipe, a file, cron, CI), rich assumes 80 columns (or $COLUMNS) and wraps the
+    cells that do not fit, a figure of "131 / 188 / 228" over two lines; there the
+    console is as wide as the table's content, so each row stays one line."""
     out = Console()
-    out.print(summary_table(report))
+    if out.is_terminal:
+        return out
+    needed = Console(width=100_000).measure(table).maximum
+    return Console(width=max(out.width, needed))
+
+
+def print_summary(report: dict[str, Any]) -> None:
+    table = summary_table(report)
+    out = table_console(table)
+    out.print(table)
     tokens = report["tokens"]
     generated = tokens.get("generated", tokens["output"])
     out.print(
@@ -486,10 +499,11 @@ def tune(job: Path, profile: Path, input_path: str | None, overrides: tuple[str,
             results, info = tune_job(config, TuneRequest(out_dir, sample, buckets, max_batch, slo),
                                      on_point=lambda bucket, p: on_point(live, bucket, p),
                                      on_stage=lambda msg: live.print(f"[dim]{msg}[/dim]"))
-    out = Console()
     meta = info["meta"]
-    out.print(sweep_table(results, f"tune · {meta['job_file']} on {meta['profile_file']} · "
-                                   f"{meta['sample_rows']} prompts · {meta['wall_s']:.0f} s"))
+    table = sweep_table(results, f"tune · {meta['job_file']} on {meta['profile_file']} · "
+                                 f"{meta['sample_rows']} prompts · {meta['wall_s']:.0f} s")
+    out = table_console(table)
+    out.print(table)
     for line in choice_lines(results):
         out.print(line, soft_wrap=True)
     for kind, path in info["paths"].items():

@@ -1,5 +1,6 @@
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -156,6 +157,43 @@ def test_gc_lists_then_deletes_a_stopped_run_and_resume_excludes_restart(tmp_pat
     reuse = CliRunner().invoke(main, ["run", "jobs/nightly_summarize.yaml", "--profile", "conf/local.yaml",
                                       "--reuse", str(tmp_path), "--no-reuse"])
     assert reuse.exit_code == EXIT_BAD_CONFIG and "--reuse and --no-reuse exclude each other" in reuse.output
+
+
+def summary_report() -> dict:
+    """A report with the buckets of the issue's `make run`: figures that wrap at 80 columns."""
+    def bucket(rows: int, pt: tuple[int, int, int], cut: int, copies: int) -> dict:
+        return {"rows": rows, "prompt_tokens": dict(zip(("min", "median", "max"), pt)),
+                "generated": {"rows": rows, "median_output_tokens": 64, "cut_at_limit": cut,
+                              "copies_opening": copies}}
+
+    return {"job": "nightly_summarize", "run_id": "20261201T163220Z-10e453", "rows_in": 24, "rows_out": 24,
+            "status": {"ok": 24}, "tokens": {"prompt": 12814, "output": 1300}, "wall_s": 245.9,
+            "output_tokens_per_s": 5.3, "output": "out", "report_path": "out/_report.json",
+            "buckets": {"le128": bucket(1, (96, 96, 96), 1, 0), "le256": bucket(7, (131, 188, 228), 4, 1),
+                        "le512": bucket(6, (259, 396, 491), 5, 0), "le1024": bucket(10, (528, 959, 959), 7, 0)}}
+
+
+def test_off_a_terminal_each_row_of_the_summary_table_is_one_line(capsys, monkeypatch):
+    """Off a terminal rich assumes 80 columns and wrapped "131 / 188 / 228" over two lines;
+    there the table is as wide as its content. On a terminal it keeps the terminal's width."""
+    from pipeline.cli import print_summary
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.delenv("TTY_COMPATIBLE", raising=False)
+    monkeypatch.delenv("FORCE_COLOR", raising=False)
+    print_summary(summary_report())
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line.split()[1]: line for line in lines if line.startswith("│ ")}
+    assert rows["le256"].split("│")[1:-1] == [" le256  ", "        7 ", "             131 / 188 / 228 ",
+                                            "                  64 ", "      4 (57%) ", " 1 (14%) "]
+    assert list(rows) == ["le128", "le256", "le512", "le1024", "total"]
+    assert "┃ bucket ┃     rows ┃ prompt tokens (min/med/max) ┃" in lines[2]
+
+    monkeypatch.setenv("TTY_COMPATIBLE", "1")  # a terminal of 80 columns: today's table
+    monkeypatch.setenv("COLUMNS", "80")
+    print_summary(summary_report())
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line) for line in capsys.readouterr().out.splitlines()]
+    assert {len(line) for line in lines if line[:1] in "┏┃┡│├└"} == {80}
 
 
 def test_the_summary_says_what_reuse_gave_or_why_nothing():
