@@ -79,7 +79,8 @@ HERE = Path(__file__).parent
 
 # The modules that use the session's shared run (`job_run`, in tests/integration/conftest.py).
 SHARED_RUN_MODULES = ("tests/integration/run/test_job.py", "tests/integration/observe/test_watch.py",
-                      "tests/integration/run/test_report_schema.py", "tests/integration/run/test_nightly.py")
+                      "tests/integration/run/test_report_schema.py", "tests/integration/run/test_nightly.py",
+                      "tests/integration/observe/test_terminal.py")
 
 
 # The slowest modules first, so that the two workers end together: the fast modules fill in
