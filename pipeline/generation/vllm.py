@@ -402,6 +402,10 @@ class VLLMEngine:
             self._killed_of_memory.update(pids)
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
+        if pids:
+            # vLLM's monitor sees the core gone and shuts its client down (the core's other
+            # processes, its sockets) before the next step, or before a stalled actor ends.
+            time.sleep(0.5)
         return bool(pids)
 
     def _death(self, wait_s: float = 30.0) -> tuple[str | None, dict[int, int | None], bool]:
